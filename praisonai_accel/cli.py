@@ -1,0 +1,26 @@
+"""praisonai-accel command line. Heavy libraries are imported inside commands, so --help stays fast."""
+
+from __future__ import annotations
+
+import typer
+
+from .commands.config import config_command
+from .commands.demo import demo_command
+from .commands.env import env_command
+from .commands.train import train_command
+
+app = typer.Typer(
+    name="praisonai-accel",
+    help="Fine-tune LLMs (LoRA, QLoRA, full) from one YAML file, on one GPU or every GPU of a machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("train")(train_command)
+app.command("config")(config_command)
+app.command("env")(env_command)
+app.command("demo")(demo_command)
+
+
+def main() -> None:
+    app()

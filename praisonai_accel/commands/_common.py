@@ -1,0 +1,51 @@
+"""Shared CLI plumbing: one-line errors and cheap checks that run before anything heavy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def looks_local(name: str) -> bool:
+    """A path the user meant to be on disk, as opposed to a Hub id such as org/model."""
+    return name.startswith(("/", "./", "../", "~")) or name.lower().endswith(LOCAL_SUFFIXES)
+
+
+def check_local_inputs(config) -> None:
+    """Catch missing local model/data paths before any process is started."""
+    if looks_local(config.model_name) and not Path(config.model_name).expanduser().exists():
+        fail(f"model_name: no such directory '{config.model_name}'")
+    for index, spec in enumerate(config.dataset):
+        if looks_local(spec.name) and not Path(spec.name).expanduser().exists():
+            fail(f"dataset[{index}].name: no such file or directory '{spec.name}'")
+
+
+def load_config_or_fail(path: Path):
+    from ..config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def count_cuda_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def bf16_supported() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -1,0 +1,35 @@
+"""praisonai-accel config: write a single-machine accelerate config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ._common import bf16_supported, count_cuda_gpus, fail
+
+
+def config_command(
+    gpus: str = typer.Option("all", "--gpus", help="number of GPUs, 'all', or ids such as 0,1"),
+    output: Path = typer.Option(Path("accelerate_config.yaml"), "--output", "-o", help="where to write it"),
+    mixed_precision: str = typer.Option("auto", "--mixed-precision", help="auto | no | fp16 | bf16"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing file"),
+) -> None:
+    """Write an accelerate config for this machine's GPUs (use it with `train --accelerate-config`)."""
+    from ..accelerate_config import build_accelerate_config, write_yaml_atomic
+    from ..distributed import resolve_mixed_precision
+    from ..launch import LaunchError, parse_gpus
+
+    if mixed_precision not in ("auto", "no", "fp16", "bf16"):
+        fail(f"--mixed-precision: expected auto, no, fp16 or bf16, got '{mixed_precision}'")
+    if output.exists() and not force:
+        fail(f"{output} already exists; pass --force to overwrite it")
+    try:
+        count, ids = parse_gpus(gpus, count_cuda_gpus())
+    except LaunchError as exc:
+        fail(str(exc))
+    precision = resolve_mixed_precision(mixed_precision, True, bf16_supported())
+    gpu_ids = ",".join(map(str, ids)) if ids is not None else "all"
+    write_yaml_atomic(build_accelerate_config(count, precision, gpu_ids), output)
+    typer.echo(f"wrote {output} ({count} process(es), mixed precision {precision})")

@@ -1,0 +1,48 @@
+"""praisonai-accel env: what this machine offers for training."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+
+import typer
+
+PACKAGES = ["praisonai-accel", "torch", "transformers", "accelerate", "peft", "trl", "datasets", "huggingface_hub",
+            "unsloth", "bitsandbytes"]
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _usable(module: str) -> str:
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    try:
+        importlib.import_module(module)
+        return "usable"
+    except Exception as exc:  # unsloth raises NotImplementedError and friends without a GPU
+        return f"not usable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+
+
+def env_command() -> None:
+    """Print versions, devices, and whether unsloth / bitsandbytes can be used here."""
+    import torch
+
+    typer.echo(f"python: {platform.python_version()} ({platform.platform()})")
+    for name in PACKAGES:
+        typer.echo(f"{name}: {_version(name)}")
+    if torch.cuda.is_available():
+        typer.echo(f"cuda: {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            typer.echo(f"  gpu {index}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    else:
+        typer.echo("cuda: no GPU visible (training runs on CPU processes over gloo)")
+    typer.echo(f"distributed backends: nccl {'yes' if torch.distributed.is_nccl_available() else 'no'}, gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}")
+    typer.echo(f"bitsandbytes: {_usable('bitsandbytes')}")
+    typer.echo(f"unsloth: {_usable('unsloth') if torch.cuda.is_available() else 'not usable (needs a CUDA GPU)'}")

@@ -1,0 +1,225 @@
+"""config.yaml schema: one validated object that every later stage reads.
+
+Errors are turned into a single line that names the offending key, so the CLI can
+print it and exit 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MULTI_DEVICE_MAPS = {"auto", "balanced", "balanced_low_0", "sequential"}
+
+# Keys of the original PraisonAI train config, accepted under their old names.
+KEY_ALIASES = {"split_type": "split", "hf_model_name": "hub_model_id", "random_state": "seed"}
+
+
+class ConfigError(Exception):
+    """A config problem, already phrased as one line for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class DatasetSpec(_Strict):
+    name: str
+    split: str = "train"
+    subset: str | None = None
+    data_files: str | list[str] | None = None
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
+    text_field: str = "text"
+    num_samples: int | None = Field(default=None, gt=0)
+    system_prompt: str | None = None
+
+
+class TrainConfig(_Strict):
+    # model
+    model_name: str
+    tokenizer_name: str | None = None
+    max_seq_length: int = Field(default=2048, gt=0)
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device_map: Union[str, dict[str, Union[int, str]], None] = None
+    use_unsloth: Union[bool, Literal["auto"]] = "auto"
+    use_gradient_checkpointing: Union[bool, Literal["unsloth"]] = False
+    trust_remote_code: bool = False
+
+    # data
+    dataset: list[DatasetSpec] = Field(min_length=1)
+    train_on_inputs: bool = False
+    chat_template: str | None = None
+    dataset_num_proc: int | None = Field(default=None, gt=0)
+    group_by_length: bool = False
+
+    # fine-tune method
+    finetune_type: Literal["lora", "qlora", "full"] = "lora"
+    load_in_4bit: bool | None = None
+    lora_r: int = Field(default=16, gt=0)
+    lora_alpha: int = Field(default=16, gt=0)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_target_modules: Union[list[str], Literal["all-linear"]] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    lora_bias: Literal["none", "all", "lora_only"] = "none"
+    use_rslora: bool = False
+
+    # optimisation
+    per_device_train_batch_size: int = Field(default=2, gt=0)
+    gradient_accumulation_steps: int = Field(default=1, gt=0)
+    learning_rate: float = Field(default=2e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(default=1e-8, gt=0)
+    num_train_epochs: int = Field(default=1, gt=0)
+    max_steps: int = -1
+    warmup_steps: int = Field(default=0, ge=0)
+    warmup_ratio: float = Field(default=0.0, ge=0, lt=1)
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
+    ] = "linear"
+    optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd"] = "adamw_torch"
+    seed: int = 3407
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    ddp_find_unused_parameters: bool | None = None
+
+    # outputs
+    output_dir: str = "outputs"
+    final_model_dir: str = "lora_model"
+    logging_steps: int = Field(default=1, gt=0)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "TrainConfig":
+        if self.load_in_4bit and self.finetune_type == "full":
+            raise ValueError("load_in_4bit: 4-bit weights cannot be fully fine-tuned; use finetune_type: qlora")
+        if self.load_in_4bit:
+            self.finetune_type = "qlora"
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError("max_steps: must be a positive number of steps, or -1 to train num_train_epochs")
+        if isinstance(self.device_map, str) and self.device_map not in MULTI_DEVICE_MAPS | {"cpu", "cuda"}:
+            if not self.device_map.startswith("cuda:"):
+                raise ValueError(
+                    f"device_map: unknown value '{self.device_map}'; use auto, balanced, sequential, cpu, cuda:N or a mapping"
+                )
+        return self
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.finetune_type in ("lora", "qlora")
+
+    def output_path(self) -> Path:
+        return Path(self.output_dir)
+
+    def final_model_path(self) -> Path:
+        final = Path(self.final_model_dir)
+        return final if final.is_absolute() else self.output_path() / final
+
+    def fingerprint(self) -> str:
+        """Stable hash of everything that shapes the run, for checkpoint metadata and caches."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_EXPECTED_BY_ERROR = {
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+def _key_path(loc: tuple) -> str:
+    fields = set(TrainConfig.model_fields) | set(DatasetSpec.model_fields)
+    path = ""
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+        elif item in fields or not path:
+            path += f".{item}" if path else str(item)
+        # anything else is pydantic naming a union member, which the user never wrote
+    return path or "config"
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = TrainConfig
+    if loc and loc[0] in ("dataset",):
+        model = DatasetSpec
+    return list(model.model_fields)
+
+
+def _expected(error: dict) -> str | None:
+    if error["type"] in _EXPECTED_BY_ERROR:
+        return _EXPECTED_BY_ERROR[error["type"]]
+    if error["type"] == "literal_error":
+        return f"one of {error['ctx']['expected']}"
+    return None
+
+
+def _describe(errors: list[dict]) -> str:
+    # Prefer errors that are not type mismatches: unions report one mismatch per member.
+    error = next((e for e in errors if e["type"] in ("extra_forbidden", "missing", "value_error")), errors[0])
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    key = _key_path(loc)
+    if kind == "extra_forbidden":
+        key = f"{_key_path(loc[:-1])}.{loc[-1]}" if len(loc) > 1 else str(loc[-1])
+        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"unknown key '{key}'{hint}"
+    if kind == "missing":
+        return f"missing required key '{key}'"
+    if kind == "value_error":
+        return str(error["ctx"]["error"])
+    if kind == "too_short" and key == "dataset":
+        return "dataset: list at least one dataset"
+    expected = [x for e in errors if _key_path(tuple(e["loc"])) == key and (x := _expected(e))]
+    if expected:
+        return f"{key}: expected {' or '.join(dict.fromkeys(expected))}, got {error['input']!r}"
+    return f"{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
+
+
+def parse_config(data: Any, source: str = "config") -> TrainConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    data = {KEY_ALIASES.get(k, k): v for k, v in data.items()}
+    if isinstance(data.get("dataset"), (dict, str)):
+        data["dataset"] = [data["dataset"]]
+    if isinstance(data.get("dataset"), list):
+        data["dataset"] = [
+            {"name": d} if isinstance(d, str) else ({KEY_ALIASES.get(k, k): v for k, v in d.items()} if isinstance(d, dict) else d)
+            for d in data["dataset"]
+        ]
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc.errors())}") from None
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file") from None
+    return parse_config(data, source=str(path))

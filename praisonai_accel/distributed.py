@@ -1,0 +1,111 @@
+"""What this process knows about the run it belongs to, read from the torchrun environment.
+
+Accelerate and torchrun both export LOCAL_RANK, RANK and WORLD_SIZE to every worker; nothing
+here imports torch, so it is cheap to use before the heavy imports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .config import MULTI_DEVICE_MAPS, ConfigError
+
+UNSLOTH_DDP_FLAG = "UNSLOTH_USE_NEW_MODEL"
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+        environ = os.environ if environ is None else environ
+        return cls(
+            rank=int(environ.get("RANK", 0)),
+            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            world_size=int(environ.get("WORLD_SIZE", 1)),
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool) -> Any:
+    """Where from_pretrained should put the weights of this rank's full copy of the model.
+
+    Under DDP every rank holds the whole model on its own GPU; sharding it across GPUs with
+    "auto" would make the ranks fight over the same devices.
+    """
+    if env.is_distributed:
+        if isinstance(requested, str) and requested in MULTI_DEVICE_MAPS:
+            raise ConfigError(
+                f"device_map: '{requested}' spreads one model over several GPUs and cannot be used with "
+                f"{env.world_size} DDP processes; remove device_map to load the full model on each rank's GPU"
+            )
+        if requested not in (None, "cuda", "cpu"):
+            raise ConfigError("device_map: under DDP each rank loads the whole model on its own device; remove device_map")
+        if requested == "cpu" or not cuda_available:
+            return None
+        return {"": env.local_rank}
+    if requested is not None:
+        return requested
+    return {"": 0} if cuda_available else None
+
+
+def mark_unsloth_ddp(env: DistEnv, environ: dict | None = None) -> None:
+    """Unsloth only builds a DDP-safe model when this is set before it is imported."""
+    environ = os.environ if environ is None else environ
+    if env.is_distributed:
+        environ[UNSLOTH_DDP_FLAG] = "1"
+
+
+def ensure_unsloth_ddp_flag(env: DistEnv, environ: dict | None = None) -> bool:
+    """Re-assert the flag right before the PEFT model is built.
+
+    unsloth's FastLanguageModel.from_pretrained resets it to "0"; returns True when it had to be restored.
+    """
+    environ = os.environ if environ is None else environ
+    if not env.is_distributed or environ.get(UNSLOTH_DDP_FLAG) == "1":
+        return False
+    environ[UNSLOTH_DDP_FLAG] = "1"
+    return True
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its launcher dies, even by SIGKILL.
+
+    Without it, killing `accelerate launch` leaves the workers training on their own. A graceful
+    stop still arrives as SIGTERM forwarded by the launcher; this covers the ungraceful one.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resolve_mixed_precision(requested: str, use_cuda: bool, bf16_supported: bool) -> str:
+    """"auto" means the fastest safe choice: bf16 where the GPU has it, fp16 on older GPUs, none on CPU."""
+    if requested != "auto":
+        return requested
+    if not use_cuda:
+        return "no"
+    return "bf16" if bf16_supported else "fp16"

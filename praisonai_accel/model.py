@@ -1,0 +1,183 @@
+"""Load the base model (one full copy per rank) and turn it into what we train: LoRA, QLoRA or full.
+
+unsloth is used when it is installed and a GPU is present; otherwise transformers + peft.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, TrainConfig
+from .distributed import DistEnv, ensure_unsloth_ddp_flag, mark_unsloth_ddp, resolve_device_map
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    name: str  # "unsloth" | "transformers"
+    module: Any = None
+    reason: str = ""
+
+
+def import_unsloth() -> tuple[Any, str]:
+    """unsloth, or None and why not. Its import can fail in many ways off a GPU, so catch them all."""
+    try:
+        import unsloth  # noqa: F401  (must come before transformers to patch it)
+
+        return sys.modules["unsloth"], ""
+    except Exception as exc:  # NotImplementedError, RuntimeError, ImportError...: all mean "not usable"
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend:
+    """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
+    if config.use_unsloth is False:
+        return Backend("transformers", reason="use_unsloth: false")
+    if not use_cuda:
+        if config.use_unsloth is True:
+            raise ConfigError("use_unsloth: true needs a CUDA GPU, and none is visible; set use_unsloth: auto or false")
+        return Backend("transformers", reason="no CUDA GPU")
+    mark_unsloth_ddp(env)
+    module, why = import_unsloth()
+    if module is None:
+        if config.use_unsloth is True:
+            raise ConfigError(f"use_unsloth: true, but unsloth cannot be imported ({why}); pip install 'praisonai-accel[unsloth]'")
+        return Backend("transformers", reason=f"unsloth unavailable ({why})")
+    return Backend("unsloth", module=module)
+
+
+def resolve_torch_dtype(config: TrainConfig, use_cuda: bool, bf16_supported: bool):
+    import torch
+
+    if config.torch_dtype != "auto":
+        return getattr(torch, config.torch_dtype)
+    if not use_cuda or config.finetune_type == "full":
+        return torch.float32  # full fine-tuning keeps fp32 master weights; mixed precision does the compute
+    return torch.bfloat16 if bf16_supported else torch.float16
+
+
+def lora_target_modules(config: TrainConfig):
+    return "all-linear" if config.lora_target_modules == "all-linear" else list(config.lora_target_modules)
+
+
+def load_tokenizer(config: TrainConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name, trust_remote_code=config.trust_remote_code)
+
+
+def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unsloth: Any, dtype):
+    fast = unsloth.FastLanguageModel
+    model, tokenizer = fast.from_pretrained(
+        model_name=config.model_name,
+        max_seq_length=config.max_seq_length,
+        dtype=dtype,
+        load_in_4bit=config.finetune_type == "qlora",
+        full_finetuning=config.finetune_type == "full",
+        device_map=device_map if device_map is not None else "sequential",
+        trust_remote_code=config.trust_remote_code,
+    )
+    if config.uses_lora:
+        # unsloth's from_pretrained sets the flag back to "0"; a DDP run needs it at "1" from here on.
+        if ensure_unsloth_ddp_flag(env):
+            log.info("restored UNSLOTH_USE_NEW_MODEL=1 after unsloth reset it")
+        model = fast.get_peft_model(
+            model,
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=lora_target_modules(config),
+            bias=config.lora_bias,
+            use_gradient_checkpointing=config.use_gradient_checkpointing,
+            random_state=config.seed,
+            use_rslora=config.use_rslora,
+        )
+    return model, tokenizer
+
+
+def _quantization_config(compute_dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:
+        raise ConfigError(
+            f"finetune_type: qlora needs bitsandbytes, which cannot be imported ({type(exc).__name__}); "
+            "pip install 'praisonai-accel[qlora]'"
+        ) from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if config.finetune_type == "qlora":
+        kwargs["quantization_config"] = _quantization_config(dtype)
+    model = AutoModelForCausalLM.from_pretrained(config.model_name, **kwargs)
+    checkpointing = bool(config.use_gradient_checkpointing)
+    ckpt_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks DDP with unused parameters
+    if config.finetune_type == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
+        )
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+        if config.uses_lora:
+            model.enable_input_require_grads()
+    if config.uses_lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=lora_target_modules(config),
+            bias=config.lora_bias,
+            use_rslora=config.use_rslora,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    model.config.use_cache = False
+    return model
+
+
+def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend, use_cuda: bool, bf16_supported: bool):
+    """The trainable model on this rank's device, and its tokenizer."""
+    device_map = resolve_device_map(config.device_map, env, use_cuda)
+    dtype = resolve_torch_dtype(config, use_cuda, bf16_supported)
+    try:
+        if backend.name == "unsloth":
+            return _load_with_unsloth(config, env, device_map, backend.module, dtype)
+        tokenizer = load_tokenizer(config)
+        return _load_with_transformers(config, device_map, dtype), tokenizer
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"model_name: cannot load '{config.model_name}': {first}") from None
+
+
+def trainable_parameter_count(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def set_seed_env() -> None:
+    # Tokenizers' own thread pool fights with the dataloader's forks.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,109 @@
+"""config.yaml validation: every bad file gets one line naming the key, exit 2, and nothing written."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from praisonai_accel.cli import app
+from praisonai_accel.config import ConfigError, load_config, parse_config
+
+from conftest import cli
+
+BASE = {"model_name": "./model", "dataset": [{"name": "./data.jsonl"}], "output_dir": "OUT"}
+
+BAD_CONFIGS = [
+    ({"learnin_rate": 1e-4}, "unknown key 'learnin_rate' (did you mean 'learning_rate'?)"),
+    ({"per_device_train_batchsize": 2}, "did you mean 'per_device_train_batch_size'"),
+    ({"dataset": [{"name": "x.jsonl", "formt": "alpaca"}]}, "unknown key 'dataset[0].formt' (did you mean 'format'?)"),
+    ({"learning_rate": "fast"}, "learning_rate: expected a number, got 'fast'"),
+    ({"lora_r": "sixteen"}, "lora_r: expected an integer, got 'sixteen'"),
+    ({"lora_r": 0}, "lora_r: input should be greater than 0"),
+    ({"lora_dropout": 1.5}, "lora_dropout:"),
+    ({"finetune_type": "qlor"}, "finetune_type: expected one of 'lora', 'qlora' or 'full', got 'qlor'"),
+    ({"mixed_precision": "fp8"}, "mixed_precision: expected one of"),
+    ({"lr_scheduler_type": "cosinus"}, "lr_scheduler_type: expected one of"),
+    ({"dataset": []}, "dataset: list at least one dataset"),
+    ({"dataset": [{"name": "x.jsonl", "format": "chatml"}]}, "dataset[0].format: expected one of"),
+    ({"dataset": [{"name": "x.jsonl", "num_samples": -3}]}, "dataset[0].num_samples:"),
+    ({"max_steps": 0}, "max_steps: must be a positive number of steps"),
+    ({"max_seq_length": "long"}, "max_seq_length: expected an integer, got 'long'"),
+    ({"lora_target_modules": 7}, "lora_target_modules: expected a list"),
+    ({"use_unsloth": "maybe"}, "use_unsloth: expected true or false"),
+    ({"device_map": "everywhere"}, "device_map: unknown value 'everywhere'"),
+    ({"ddp_find_unused_parameters": "perhaps"}, "ddp_find_unused_parameters: expected true or false"),
+    ({"load_in_4bit": True, "finetune_type": "full"}, "load_in_4bit: 4-bit weights cannot be fully fine-tuned"),
+    ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps: expected an integer"),
+    ({"model_name": None}, "model_name: expected a string"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_CONFIGS, ids=[m.split(":")[0][:30] for _, m in BAD_CONFIGS])
+def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, override, message):
+    raw = {**BASE, **override, "output_dir": str(tmp_path / "out")}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", str(path), "--cpu"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("model_name: [unclosed\n", "invalid YAML at line"),
+        ("- just\n- a list\n", "expected a mapping of keys at the top level"),
+        ("dataset: x.jsonl\n", "missing required key 'model_name'"),
+    ],
+)
+def test_unreadable_config_files(tmp_path, text, message):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(path)
+
+
+def test_missing_config_file_from_a_real_process_has_no_traceback(tmp_path):
+    result = cli("train", str(tmp_path / "nope.yaml"), "--cpu")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: config file not found"
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_missing_local_paths_are_caught_before_launch(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "model_name": str(tmp_path / "no-model"), "output_dir": str(tmp_path / "o")}))
+    result = CliRunner().invoke(app, ["train", str(path), "--cpu"])
+    assert result.exit_code == 2 and "model_name: no such directory" in result.output
+    (tmp_path / "no-model").mkdir()
+    result = CliRunner().invoke(app, ["train", str(path), "--cpu"])
+    assert result.exit_code == 2 and "dataset[0].name: no such file or directory './data.jsonl'" in result.output
+
+
+def test_numbers_in_exponent_form_are_floats_and_seed_keys_are_accepted():
+    text = "model_name: m\nlearning_rate: 2e-4\nrandom_state: 7\nhf_model_name: me/model\n" \
+           "dataset:\n  - name: yahma/alpaca-cleaned\n    split_type: train[:10]\n"
+    raw = yaml.safe_load(text)
+    assert raw["learning_rate"] == "2e-4"  # PyYAML reads it as a string...
+    with pytest.raises(ConfigError, match="unknown key 'hub_model_id'"):
+        parse_config(raw)  # hub_model_id arrives with publishing; the alias maps onto it
+    raw.pop("hf_model_name")
+    cfg = parse_config(raw)
+    assert cfg.learning_rate == pytest.approx(2e-4) and isinstance(cfg.learning_rate, float)  # ...we read a float
+    assert cfg.seed == 7 and cfg.dataset[0].split == "train[:10]"
+
+
+def test_defaults_and_derived_values():
+    cfg = parse_config({"model_name": "m", "dataset": "d.jsonl", "load_in_4bit": True, "output_dir": "/tmp/x"})
+    assert cfg.finetune_type == "qlora"
+    assert cfg.final_model_path().as_posix() == "/tmp/x/lora_model"
+    assert parse_config({"model_name": "m", "dataset": "d", "final_model_dir": "/abs/final"}).final_model_path().as_posix() == "/abs/final"
+    assert cfg.ddp_find_unused_parameters is None  # decided at run time: true under DDP
+    assert cfg.fingerprint() == parse_config(cfg.model_dump()).fingerprint()

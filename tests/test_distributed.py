@@ -1,0 +1,129 @@
+"""Rank environment, per-rank device maps, and the UNSLOTH_USE_NEW_MODEL dance (with unsloth absent)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+from praisonai_accel.config import ConfigError, parse_config
+from praisonai_accel.distributed import (
+    DistEnv, ensure_unsloth_ddp_flag, mark_unsloth_ddp, resolve_device_map, resolve_mixed_precision,
+)
+from praisonai_accel import model as model_module
+
+
+def test_env_is_read_from_torchrun_variables():
+    env = DistEnv.from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+    assert (env.rank, env.local_rank, env.world_size, env.is_distributed, env.is_main) == (3, 1, 4, True, False)
+    assert DistEnv.from_environ({}) == DistEnv(0, 0, 1)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_each_ddp_rank_loads_the_full_model_on_its_own_gpu(local_rank):
+    env = DistEnv(rank=local_rank, local_rank=local_rank, world_size=4)
+    assert resolve_device_map(None, env, cuda_available=True) == {"": local_rank}
+    assert resolve_device_map(None, env, cuda_available=False) is None  # CPU: no device_map at all
+
+
+@pytest.mark.parametrize("requested", ["auto", "balanced", "balanced_low_0", "sequential"])
+def test_sharding_device_maps_are_refused_under_ddp(requested):
+    with pytest.raises(ConfigError, match=f"device_map: '{requested}' spreads one model over several GPUs"):
+        resolve_device_map(requested, DistEnv(0, 0, 2), cuda_available=True)
+
+
+def test_single_process_keeps_the_users_device_map():
+    single = DistEnv()
+    assert resolve_device_map("auto", single, True) == "auto"
+    assert resolve_device_map(None, single, True) == {"": 0}
+    assert resolve_device_map(None, single, False) is None
+    with pytest.raises(ConfigError):
+        resolve_device_map({"model": 0}, DistEnv(0, 0, 2), True)
+
+
+def test_mixed_precision_auto():
+    assert resolve_mixed_precision("auto", use_cuda=False, bf16_supported=False) == "no"
+    assert resolve_mixed_precision("auto", use_cuda=True, bf16_supported=True) == "bf16"
+    assert resolve_mixed_precision("auto", use_cuda=True, bf16_supported=False) == "fp16"
+    assert resolve_mixed_precision("fp16", use_cuda=False, bf16_supported=False) == "fp16"
+
+
+def test_unsloth_flag_is_set_only_under_ddp():
+    environ = {}
+    mark_unsloth_ddp(DistEnv(), environ)
+    assert environ == {}
+    mark_unsloth_ddp(DistEnv(0, 0, 2), environ)
+    assert environ == {"UNSLOTH_USE_NEW_MODEL": "1"}
+    environ["UNSLOTH_USE_NEW_MODEL"] = "0"
+    assert ensure_unsloth_ddp_flag(DistEnv(0, 0, 2), environ) is True and environ["UNSLOTH_USE_NEW_MODEL"] == "1"
+    assert ensure_unsloth_ddp_flag(DistEnv(0, 0, 2), environ) is False
+
+
+def _fake_unsloth(seen: dict):
+    """Behaves like unsloth where it matters here: from_pretrained resets the DDP flag to 0."""
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**kwargs):
+            seen["from_pretrained"] = kwargs
+            seen["flag_at_load"] = os.environ.get("UNSLOTH_USE_NEW_MODEL")
+            os.environ["UNSLOTH_USE_NEW_MODEL"] = "0"
+            return "model", "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            seen["flag_at_peft"] = os.environ.get("UNSLOTH_USE_NEW_MODEL")
+            seen["peft"] = kwargs
+            return "peft-model"
+
+    return types.SimpleNamespace(FastLanguageModel=FastLanguageModel)
+
+
+def test_flag_is_1_before_import_and_again_when_the_peft_model_is_built(monkeypatch):
+    seen: dict = {}
+    monkeypatch.delenv("UNSLOTH_USE_NEW_MODEL", raising=False)
+    monkeypatch.setitem(sys.modules, "unsloth", _fake_unsloth(seen))
+
+    def import_unsloth():
+        seen["flag_at_import"] = os.environ.get("UNSLOTH_USE_NEW_MODEL")
+        return sys.modules["unsloth"], ""
+
+    monkeypatch.setattr(model_module, "import_unsloth", import_unsloth)
+    config = parse_config({"model_name": "m", "dataset": "d", "lora_r": 4})
+    env = DistEnv(rank=1, local_rank=1, world_size=2)
+    backend = model_module.choose_backend(config, env, use_cuda=True)
+    assert backend.name == "unsloth" and seen["flag_at_import"] == "1"
+    model, tokenizer = model_module.load_model_and_tokenizer(config, env, backend, use_cuda=True, bf16_supported=True)
+    assert (model, tokenizer) == ("peft-model", "tokenizer")
+    assert seen["flag_at_load"] == "1" and seen["flag_at_peft"] == "1"
+    assert seen["from_pretrained"]["device_map"] == {"": 1}
+    assert seen["peft"]["r"] == 4 and seen["peft"]["random_state"] == config.seed
+
+
+def test_unsloth_import_failure_of_any_kind_falls_back(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "unsloth":
+            raise NotImplementedError("Unsloth cannot find any torch accelerator? You need a GPU.")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "unsloth", raising=False)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    module, why = model_module.import_unsloth()
+    assert module is None and why.startswith("NotImplementedError")
+    config = parse_config({"model_name": "m", "dataset": "d"})
+    assert model_module.choose_backend(config, DistEnv(), use_cuda=True).name == "transformers"
+    with pytest.raises(ConfigError, match="use_unsloth: true, but unsloth cannot be imported"):
+        model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(), True)
+
+
+def test_unsloth_is_not_used_without_a_gpu():
+    config = parse_config({"model_name": "m", "dataset": "d"})
+    assert model_module.choose_backend(config, DistEnv(0, 0, 2), use_cuda=False).name == "transformers"
+    with pytest.raises(ConfigError, match="use_unsloth: true needs a CUDA GPU"):
+        model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(), False)

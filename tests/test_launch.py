@@ -1,0 +1,145 @@
+"""From `train --gpus ...` to one argument list; the accelerate config file; dry runs."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from praisonai_accel.accelerate_config import build_accelerate_config, write_yaml_atomic
+from praisonai_accel.cli import app
+from praisonai_accel.config import parse_config
+from praisonai_accel.launch import LaunchError, free_port, launch, parse_gpus, plan_launch
+
+from conftest import REPO, cli, write_config
+
+
+@pytest.mark.parametrize(
+    "spec,available,expected",
+    [(None, 0, (1, None)), ("1", 1, (1, None)), ("2", 4, (2, None)), ("all", 8, (8, None)), ("0,1", 2, (2, [0, 1])),
+     ("2,3", 4, (2, [2, 3])), ("ALL", 2, (2, None))],
+)
+def test_parse_gpus(spec, available, expected):
+    assert parse_gpus(spec, available) == expected
+
+
+@pytest.mark.parametrize(
+    "spec,available,message",
+    [("4", 2, "--gpus 4: only 2 CUDA GPU(s) visible"), ("all", 0, "no CUDA GPU is visible"),
+     ("0,5", 2, "GPU 5 does not exist"), ("0,0", 2, "listed twice"), ("two", 2, "expected a count"), ("0", 2, "expected a count")],
+)
+def test_parse_gpus_errors(spec, available, message):
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        parse_gpus(spec, available)
+
+
+def _config(tmp_path):
+    return parse_config({"model_name": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path / "out")})
+
+
+def test_multi_process_plan_is_an_argument_list_with_explicit_config_file(tmp_path):
+    plan = plan_launch(Path("cfg.yaml"), _config(tmp_path), num_processes=2, gpu_ids=[0, 1], port=29999, python="py")
+    assert plan.command == [
+        "py", "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "out" / "accelerate_config.yaml"),
+        "--main_process_port", "29999", "-m", "praisonai_accel.train", "cfg.yaml",
+    ]
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert plan.accelerate_config["distributed_type"] == "MULTI_GPU" and plan.accelerate_config["num_processes"] == 2
+
+
+def test_single_process_runs_without_a_launcher(tmp_path):
+    plan = plan_launch(Path("cfg.yaml"), _config(tmp_path), num_processes=1, python="py")
+    assert plan.command == ["py", "-m", "praisonai_accel.train", "cfg.yaml"] and not plan.generated_config
+
+
+def test_cpu_processes_hide_gpus_and_still_use_a_multi_gpu_config(tmp_path):
+    # `--cpu --num_processes 2` in accelerate silently starts ONE process; MULTI_GPU with no GPU gives gloo DDP.
+    plan = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=2, cpu=True)
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "" and plan.accelerate_config["distributed_type"] == "MULTI_GPU"
+
+
+def test_launch_writes_generated_config_then_calls_the_launch_function(tmp_path):
+    plan = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=2, cpu=True, mixed_precision="no")
+    calls = []
+    assert launch(plan, runner=lambda cmd, env: calls.append((cmd, env)) or 7) == 7
+    assert calls == [(plan.command, plan.env)]
+    written = (tmp_path / "out" / "accelerate_config.yaml").read_text()
+    assert "mixed_precision: 'no'" in written and "downcast_bf16: 'no'" in written  # quoted: bare no reads as false
+    assert yaml.safe_load(written) == plan.accelerate_config
+
+
+def test_user_accelerate_config_is_used_as_is_and_never_rewritten(tmp_path):
+    user = tmp_path / "fsdp.yaml"
+    user.write_text("distributed_type: FSDP\nnum_machines: 2\nnum_processes: 16\nmain_process_ip: 10.0.0.1\nmain_process_port: 1234\n")
+    before = user.read_text()
+    plan = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=1, accelerate_config_file=user)
+    assert plan.num_processes == 16  # total over all machines
+    assert "--main_process_port" not in plan.command and plan.command[plan.command.index("--config_file") + 1] == str(user)
+    launch(plan, runner=lambda cmd, env: 0)
+    assert user.read_text() == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,count", [("single_gpu.yaml", 1), ("multi_gpu.yaml", 2)])
+def test_shipped_templates_match_the_generator(name, count):
+    shipped = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
+    assert shipped == build_accelerate_config(count, "bf16")
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_dry_run_prints_config_batch_and_exact_command_and_runs_nothing(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file, per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    result = CliRunner().invoke(app, ["train", str(config), "--cpu", "--num-processes", "2", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "effective batch (per device x accumulation x processes): 3 x 2 x 2 = 12" in out
+    assert f"model_name: {tiny_model}" in out
+    command = out.strip().splitlines()[-1]
+    words = shlex.split(command)
+    assert words[0] == "CUDA_VISIBLE_DEVICES=" and words[1] == sys.executable
+    assert words[2:5] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert words[-3:] == ["-m", "praisonai_accel.train", str(config)]
+    assert not (tmp_path / "out").exists()
+
+
+def test_asking_for_more_gpus_than_exist_is_a_clear_error(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file)
+    result = cli("train", str(config), "--gpus", "4", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --gpus 4: only 0 CUDA GPU(s) visible on this machine"
+
+
+def test_config_command_writes_and_refuses_to_overwrite(tmp_path):
+    target = tmp_path / "acc.yaml"
+    target.write_text("keep me\n")
+    result = CliRunner().invoke(app, ["config", "--gpus", "1", "--output", str(target)])
+    assert result.exit_code == 2 and "already exists" in result.output and target.read_text() == "keep me\n"
+    result = CliRunner().invoke(app, ["config", "--gpus", "all", "--output", str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2 and "no CUDA GPU is visible" in result.output
+
+
+def test_write_yaml_atomic_leaves_no_temp_files(tmp_path):
+    write_yaml_atomic({"a": "no"}, tmp_path / "f.yaml")
+    assert [p.name for p in tmp_path.iterdir()] == ["f.yaml"]
+    assert yaml.safe_load((tmp_path / "f.yaml").read_text()) == {"a": "no"}
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from praisonai_accel.cli import app; print('torch' in sys.modules)"
+    from conftest import run
+
+    result = run([sys.executable, "-c", code])
+    assert result.stdout.strip() == "False"
+    help_run = cli("--help")
+    assert help_run.returncode == 0 and "train" in help_run.stdout

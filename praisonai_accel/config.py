@@ -22,6 +22,15 @@ MULTI_DEVICE_MAPS = {"auto", "balanced", "balanced_low_0", "sequential"}
 KEY_ALIASES = {"split_type": "split", "hf_model_name": "hub_model_id", "random_state": "seed"}
 
 
+# Keys that may change between an interrupted run and its resumption without making it another run.
+RESUMABLE_KEYS = {
+    "max_steps", "num_train_epochs", "logging_steps", "save_strategy", "save_steps", "save_total_limit",
+    "resume_from_checkpoint", "overwrite_output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
+    "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "mixed_precision", "output_dir",
+}
+
+
 class ConfigError(Exception):
     """A config problem, already phrased as one line for the user."""
 
@@ -95,6 +104,25 @@ class TrainConfig(_Strict):
     final_model_dir: str = "lora_model"
     logging_steps: int = Field(default=1, gt=0)
 
+    # checkpoints and resume
+    save_strategy: Literal["no", "steps", "epoch"] | None = None  # default: "steps" if save_steps is set, else "no"
+    save_steps: int | None = Field(default=None, gt=0)
+    save_total_limit: int | None = Field(default=None, gt=0)
+    resume_from_checkpoint: Union[bool, str] = True
+    overwrite_output_dir: bool = False
+
+    # evaluation and early stopping
+    eval_dataset: list[DatasetSpec] | None = None
+    val_split_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    eval_strategy: Literal["no", "steps", "epoch"] | None = None  # default: steps/epoch when eval data is given
+    eval_steps: int | None = Field(default=None, gt=0)
+    per_device_eval_batch_size: int | None = Field(default=None, gt=0)
+    load_best_model_at_end: bool = False
+    metric_for_best_model: Literal["eval_loss", "loss"] = "eval_loss"
+    greater_is_better: bool = False
+    early_stopping_patience: int | None = Field(default=None, gt=0)
+    early_stopping_threshold: float = Field(default=0.0, ge=0.0)
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "TrainConfig":
         if self.load_in_4bit and self.finetune_type == "full":
@@ -108,7 +136,33 @@ class TrainConfig(_Strict):
                 raise ValueError(
                     f"device_map: unknown value '{self.device_map}'; use auto, balanced, sequential, cpu, cuda:N or a mapping"
                 )
+        self._check_save_and_eval()
         return self
+
+    def _check_save_and_eval(self) -> None:
+        if self.save_strategy is None:
+            self.save_strategy = "steps" if self.save_steps else "no"
+        if self.save_strategy == "steps" and not self.save_steps:
+            raise ValueError("save_steps: required when save_strategy is 'steps'")
+        has_eval_data = bool(self.eval_dataset) or self.val_split_ratio > 0
+        if self.eval_strategy is None:
+            self.eval_strategy = ("steps" if self.eval_steps else "epoch") if has_eval_data else "no"
+        if self.eval_strategy != "no" and not has_eval_data:
+            raise ValueError(f"eval_strategy: '{self.eval_strategy}' needs eval_dataset or val_split_ratio")
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            raise ValueError("eval_steps: required when eval_strategy is 'steps'")
+        if self.early_stopping_patience and self.eval_strategy == "no":
+            raise ValueError("early_stopping_patience: needs evaluation (eval_dataset or val_split_ratio)")
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no" or self.save_strategy != self.eval_strategy:
+                raise ValueError("load_best_model_at_end: needs save_strategy and eval_strategy to be the same, and not 'no'")
+            if self.save_strategy == "steps" and self.save_steps % self.eval_steps:
+                raise ValueError("load_best_model_at_end: save_steps must be a multiple of eval_steps")
+
+    def run_fingerprint(self) -> str:
+        """Hash of what makes two runs the same run (model, data, method, seed), for resume safety."""
+        identity = {k: v for k, v in self.model_dump(mode="json").items() if k not in RESUMABLE_KEYS}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def uses_lora(self) -> bool:

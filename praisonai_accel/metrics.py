@@ -65,9 +65,13 @@ class MetricsLogger:
         else:
             log.info(line)
 
-    def write_summary(self, path: Path, summary: dict) -> None:
-        if self.enabled:
-            write_json_atomic(summary, path)
+    def log_eval(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        line = f"step {record['step']}/{self.total_steps} eval_loss {record['eval_loss']:.4g}"
+        (self._progress.console.print if self._progress is not None else log.info)(line)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:

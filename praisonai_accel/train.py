@@ -15,6 +15,8 @@ from .config import ConfigError, load_config
 from .data import DataError
 from .distributed import DistEnv, die_with_parent
 
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as if the signal had ended us, but with a checkpoint on disk
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m praisonai_accel.train", description=__doc__.splitlines()[0])
@@ -24,15 +26,20 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:
         die_with_parent()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from .trainer import train
+    from .trainer import Preempted, train
 
+    try:
         train(load_config(args.config))
     except (ConfigError, DataError) as exc:
         if env.local_rank == 0:  # every rank hits the same bad input; say it once
             print(f"error: {exc}", file=sys.stderr)
         _close_process_group(wait_for_others=False)
         return 2
+    except Preempted as stop:
+        if env.rank == 0:
+            print(f"praisonai-accel: {stop}; re-run the same command to resume", file=sys.stderr)
+        _close_process_group(wait_for_others=False)
+        return PREEMPTED_EXIT_CODE
     _close_process_group(wait_for_others=True)
     return 0
 

@@ -1,100 +1,49 @@
-"""The training loop, top to bottom: set up, prepare with Accelerate, step, log, save.
+"""The training recipe, top to bottom: set up, (resume), step, evaluate, checkpoint, save.
 
-Accelerate owns DDP wrapping, mixed precision, device placement and rank-0 gating. The loop
-owns gradient accumulation (with `no_sync`) because the loss is normalised by the number of
-target tokens in the whole optimizer step, over every micro-batch and every rank: only then do
-2 processes x batch B give the same update as 1 process x batch 2B.
+Accelerate owns DDP wrapping, mixed precision, device placement, rank-0 gating and checkpoint
+state. The loop owns gradient accumulation (with `no_sync`) because the loss is normalised by
+the number of target tokens in the whole optimizer step, over every micro-batch and every rank:
+only then do 2 processes x batch B give the same update as 1 process x batch 2B.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import os
 import shutil
+import signal
 import time
+import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .config import TrainConfig
+from . import checkpoint as ckpt
+from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, PadCollator, ensure_chat_template, load_or_build
 from .distributed import DistEnv, resolve_mixed_precision
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, write_json_atomic
 from .model import choose_backend, load_model_and_tokenizer, trainable_parameter_count
 
 log = logging.getLogger("praisonai_accel")
 
-
-@dataclass
-class TrainState:
-    """Where the run is; saved in every checkpoint."""
-
-    global_step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches this rank has consumed in the current epoch
-    samples_seen: int = 0  # over all ranks
-    history: list = field(default_factory=list)
+# Test-only fault injection: rank 0 dies inside the save of this step, after the state is written
+# but before the checkpoint is marked complete.
+CRASH_IN_SAVE_ENV = "PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE"
 
 
-def _quiet_libraries(is_main: bool) -> None:
-    import datasets
-    import transformers
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint was saved at `checkpoint`."""
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    if not is_main:
-        datasets.disable_progress_bars()
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s")
-    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    def __init__(self, checkpoint: Path):
+        super().__init__(f"stopped by SIGTERM; checkpoint saved at {checkpoint}")
+        self.checkpoint = checkpoint
 
 
-def build_accelerator(config: TrainConfig, env: DistEnv, use_cuda: bool):
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
-
-    precision = resolve_mixed_precision(
-        config.mixed_precision, use_cuda, use_cuda and torch.cuda.is_bf16_supported()
-    )
-    find_unused = config.ddp_find_unused_parameters
-    if find_unused is None:
-        find_unused = env.is_distributed
-    return Accelerator(
-        mixed_precision=precision,
-        cpu=not use_cuda,
-        gradient_accumulation_steps=1,  # accumulation is done by the loop, see module docstring
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
-        project_config=ProjectConfiguration(project_dir=config.output_dir, automatic_checkpoint_naming=False),
-    )
-
-
-def build_optimizer(config: TrainConfig, model):
-    import torch
-
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    betas, eps, lr = (config.adam_beta1, config.adam_beta2), config.adam_epsilon, config.learning_rate
-    if config.optim == "sgd":
-        return torch.optim.SGD(groups, lr=lr)
-    if config.optim in ("adamw_8bit", "paged_adamw_8bit"):
-        try:
-            import bitsandbytes as bnb
-        except Exception as exc:
-            from .config import ConfigError
-
-            raise ConfigError(f"optim: {config.optim} needs bitsandbytes ({type(exc).__name__}); use optim: adamw_torch") from None
-        cls = bnb.optim.PagedAdamW8bit if config.optim.startswith("paged") else bnb.optim.AdamW8bit
-        return cls(groups, lr=lr, betas=betas, eps=eps)
-    fused = config.optim == "adamw_torch_fused" and torch.cuda.is_available()
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {}))
-
+# ---------------------------------------------------------------- small pure helpers
 
 def plan_steps(config: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
     """(optimizer steps per epoch, total optimizer steps)."""
@@ -114,10 +63,8 @@ def token_loss_sum(logits, labels):
     shifted_logits = logits[:, :-1, :].float()
     shifted_labels = labels[:, 1:]
     return F.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.size(-1)),
-        shifted_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
     )
 
 
@@ -126,13 +73,7 @@ def count_target_tokens(batch) -> int:
 
 
 def micro_batch_groups(batches: Iterator, size: int) -> Iterator[list]:
-    group = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
+    while group := list(itertools.islice(batches, size)):
         yield group
 
 
@@ -144,6 +85,33 @@ def parameter_digest(model) -> str:
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def improved(metric: float, best: float | None, greater_is_better: bool, threshold: float) -> bool:
+    if best is None:
+        return True
+    return metric > best + threshold if greater_is_better else metric < best - threshold
+
+
+def resume_skip(state: ckpt.CheckpointState, world: int, per_device: int) -> tuple[int, str | None]:
+    """Micro-batches each rank skips in the resumed epoch, and a warning if the layout changed.
+
+    The sampler's order does not depend on the world size, so the same samples can be skipped
+    as long as they fill whole global batches of the new layout; otherwise refuse.
+    """
+    if state.world_size == world and state.per_device_train_batch_size == per_device:
+        return state.batches_in_epoch, None
+    global_batch = world * per_device
+    if state.samples_in_epoch % global_batch:
+        raise ConfigError(
+            f"resume_from_checkpoint: the checkpoint was taken after {state.samples_in_epoch} samples of epoch "
+            f"{state.epoch} with {state.world_size} process(es) x batch {state.per_device_train_batch_size}; "
+            f"{world} process(es) x batch {per_device} cannot continue at exactly that sample; resume with the original layout"
+        )
+    return state.samples_in_epoch // global_batch, (
+        f"resuming with {world} process(es) x batch {per_device} (checkpoint: {state.world_size} x "
+        f"{state.per_device_train_batch_size}); continuing at sample {state.samples_in_epoch} of epoch {state.epoch}"
+    )
 
 
 def save_final_model(accelerator, model, tokenizer, target: Path) -> None:
@@ -164,132 +132,426 @@ def save_final_model(accelerator, model, tokenizer, target: Path) -> None:
     accelerator.wait_for_everyone()
 
 
+def _quiet_libraries(is_main: bool) -> None:
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if not is_main:
+        datasets.disable_progress_bars()
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save/load chatter
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+
+def _crash_hook():
+    step = os.environ.get(CRASH_IN_SAVE_ENV)
+    if not step:
+        return None
+
+    def hook(global_step: int) -> None:
+        if global_step == int(step) and int(os.environ.get("RANK", 0)) == 0:
+            os._exit(17)
+
+    return hook
+
+
+# ---------------------------------------------------------------- the recipe
+
+class Recipe:
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.env = DistEnv.from_environ()
+        self.output_dir = config.output_path()
+        self.stop_requested = False
+
+    # ------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        import torch
+        from accelerate.utils import set_seed
+
+        config = self.config
+        use_cuda = torch.cuda.is_available()
+        self.backend = choose_backend(config, self.env, use_cuda)  # imports unsloth, if at all, before transformers
+        self.accelerator = accelerator = self._build_accelerator(use_cuda)
+        _quiet_libraries(accelerator.is_main_process)
+        self.resume_from = self._find_resume_point()
+        set_seed(config.seed)
+        log.info("backend: %s%s | processes: %d | device: %s | mixed precision: %s", self.backend.name,
+                 f" ({self.backend.reason})" if self.backend.reason else "", accelerator.num_processes,
+                 accelerator.device, accelerator.mixed_precision)
+
+        bf16 = use_cuda and torch.cuda.is_bf16_supported()
+        model, self.tokenizer = load_model_and_tokenizer(config, self.env, self.backend, use_cuda, bf16)
+        ensure_chat_template(self.tokenizer, config.chat_template)
+        trainable, total = trainable_parameter_count(model)
+        log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
+                 f"{total:,}", 100 * trainable / max(total, 1))
+
+        train_data, self.eval_data = self._load_data()
+        loader = self._train_loader(train_data)
+        optimizer = self._build_optimizer(model)
+        self.model, self.optimizer, self.loader = accelerator.prepare(model, optimizer, loader)
+        self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
+        from transformers import get_scheduler
+
+        # Not prepared: a prepared scheduler steps once per process per optimizer step.
+        self.scheduler = get_scheduler(config.lr_scheduler_type, self.optimizer,
+                                       num_warmup_steps=warmup_steps(config, self.total_steps),
+                                       num_training_steps=self.total_steps)
+        accelerator.register_for_checkpointing(self.scheduler)
+        ckpt.install_trainable_only_hooks(accelerator)
+        self.state = self._fresh_state()
+        if self.resume_from is not None:
+            self._load_checkpoint(self.resume_from)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        world, accum, per_device = accelerator.num_processes, config.gradient_accumulation_steps, config.per_device_train_batch_size
+        log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d", self.total_steps, self.steps_per_epoch,
+                 per_device, accum, world, per_device * accum * world)
+
+    def _build_accelerator(self, use_cuda: bool):
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
+
+        config = self.config
+        precision = resolve_mixed_precision(config.mixed_precision, use_cuda, use_cuda and torch.cuda.is_bf16_supported())
+        find_unused = config.ddp_find_unused_parameters
+        if find_unused is None:
+            find_unused = self.env.is_distributed
+        return Accelerator(
+            mixed_precision=precision,
+            cpu=not use_cuda,
+            gradient_accumulation_steps=1,  # accumulation is done by the loop, see module docstring
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
+            project_config=ProjectConfiguration(project_dir=config.output_dir, automatic_checkpoint_naming=False),
+        )
+
+    def _find_resume_point(self) -> Path | None:
+        config = self.config
+        resume = ckpt.checkpoint_to_resume(self.output_dir, config.resume_from_checkpoint, config.run_fingerprint(),
+                                           config.overwrite_output_dir)
+        if self.accelerator.is_main_process:
+            if config.overwrite_output_dir and resume is None:
+                ckpt.clear_checkpoints(self.output_dir)
+            ckpt.remove_stale_temporaries(self.output_dir)
+        self.accelerator.wait_for_everyone()
+        return resume
+
+    def _load_data(self):
+        config, accelerator = self.config, self.accelerator
+        cache = self.output_dir / ".cache" / "preprocessed"
+        started = time.perf_counter()
+        with accelerator.local_main_process_first():
+            train, from_cache = load_or_build(config.dataset, self.tokenizer, config, cache)
+            evaluation = load_or_build(config.eval_dataset, self.tokenizer, config, cache)[0] if config.eval_dataset else None
+        log.info("data: %d examples (%s in %.2fs)", len(train), "cached" if from_cache else "tokenized",
+                 time.perf_counter() - started)
+        if config.val_split_ratio > 0:
+            split = train.train_test_split(test_size=config.val_split_ratio, seed=config.seed)
+            train, evaluation = split["train"], split["test"]
+        if evaluation is not None:
+            log.info("eval: %d examples", len(evaluation))
+            evaluation = evaluation.select_columns(["input_ids", "labels"])
+        return train.select_columns(["input_ids", "labels"]), evaluation
+
+    def _train_loader(self, dataset):
+        import torch
+        from torch.utils.data import DataLoader
+
+        return DataLoader(dataset, batch_size=self.config.per_device_train_batch_size, shuffle=True,
+                          collate_fn=PadCollator(self.tokenizer.pad_token_id),
+                          generator=torch.Generator().manual_seed(self.config.seed))
+
+    def _build_optimizer(self, model):
+        import torch
+
+        config = self.config
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        betas, eps, lr = (config.adam_beta1, config.adam_beta2), config.adam_epsilon, config.learning_rate
+        if config.optim == "sgd":
+            return torch.optim.SGD(groups, lr=lr)
+        if config.optim in ("adamw_8bit", "paged_adamw_8bit"):
+            try:
+                import bitsandbytes as bnb
+            except Exception as exc:
+                raise ConfigError(f"optim: {config.optim} needs bitsandbytes ({type(exc).__name__}); use optim: adamw_torch") from None
+            cls = bnb.optim.PagedAdamW8bit if config.optim.startswith("paged") else bnb.optim.AdamW8bit
+            return cls(groups, lr=lr, betas=betas, eps=eps)
+        fused = config.optim == "adamw_torch_fused" and torch.cuda.is_available()
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {}))
+
+    def _fresh_state(self) -> ckpt.CheckpointState:
+        config = self.config
+        return ckpt.CheckpointState(
+            global_step=0, epoch=0, batches_in_epoch=0, samples_in_epoch=0, samples_seen=0,
+            world_size=self.accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            run_fingerprint=config.run_fingerprint(), config_fingerprint=config.fingerprint(),
+        )
+
+    def _load_checkpoint(self, path: Path) -> None:
+        accelerator = self.accelerator
+        saved = ckpt.CheckpointState.read(path)
+        if not ckpt.rng_file_exists(path, accelerator.process_index):
+            log.warning("%s has no RNG state for rank %d (it was saved by %d process(es)); that rank starts from its seed",
+                        path, accelerator.process_index, saved.world_size)
+        skip, warning = resume_skip(saved, accelerator.num_processes, self.config.per_device_train_batch_size)
+        if warning:
+            log.warning(warning)
+        accelerator.load_state(str(path), strict=False)  # hooks checked that every trainable weight is there
+        accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(self.output_dir))
+        self.state = saved
+        self.state.batches_in_epoch = skip
+        self.state.world_size = accelerator.num_processes
+        self.state.per_device_train_batch_size = self.config.per_device_train_batch_size
+        self.state.gradient_accumulation_steps = self.config.gradient_accumulation_steps
+        self.state.config_fingerprint = self.config.fingerprint()
+        self._rng_to_reapply = path if skip else None
+        log.info("resumed from %s at step %d (epoch %d, %d batch(es) in)", path, saved.global_step, saved.epoch, skip)
+
+    def _on_sigterm(self, _signum, _frame) -> None:
+        self.stop_requested = True
+
+    # ------------------------------------------------------------ the loop
+
+    def _epoch_batches(self, epoch: int) -> Iterator:
+        """This epoch's batches, resuming mid-epoch where the checkpoint left off."""
+        self.loader.set_epoch(epoch)
+        skip = self.state.batches_in_epoch
+        loader = self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
+        batches = iter(loader)
+        rng_checkpoint, self._rng_to_reapply = getattr(self, "_rng_to_reapply", None), None
+        if rng_checkpoint is None:
+            return batches
+        # Starting the iterator draws from the RNG; the uninterrupted run drew at the epoch's start,
+        # so re-apply the saved state now or dropout and friends diverge from it.
+        try:
+            first = next(batches)
+        except StopIteration:
+            return iter(())
+        if ckpt.rng_file_exists(rng_checkpoint, self.accelerator.process_index):
+            ckpt.load_rng_state(rng_checkpoint, self.accelerator.process_index)
+        return itertools.chain([first], batches)
+
+    def _optimizer_step(self, group: list) -> tuple[float, int, int, float | None, bool]:
+        """Forward/backward every micro-batch, then one optimizer step.
+
+        Returns (summed loss over all ranks, target tokens, input tokens, grad norm, stop requested anywhere).
+        """
+        import torch
+
+        accelerator, model = self.accelerator, self.model
+        local = torch.tensor([sum(count_target_tokens(b) for b in group)], device=accelerator.device)
+        step_targets = int(accelerator.reduce(local, reduction="sum").item())
+        scale = accelerator.num_processes / max(step_targets, 1)  # DDP averages over ranks; micro-batch grads add up
+        loss_sum = torch.zeros((), device=accelerator.device)
+        tokens = 0
+        for index, batch in enumerate(group):
+            last = index == len(group) - 1
+            with nullcontext() if last else accelerator.no_sync(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                summed = token_loss_sum(logits, batch["labels"])
+                accelerator.backward(summed * scale)
+            loss_sum += summed.detach()
+            tokens += int(batch["attention_mask"].sum())
+        grad_norm = None
+        if self.config.max_grad_norm > 0:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), self.config.max_grad_norm))
+        self.optimizer.step()
+        if not accelerator.optimizer_step_was_skipped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # One collective for the loss, the token count and the stop decision, so every rank agrees.
+        totals = accelerator.reduce(
+            torch.tensor([float(loss_sum), float(tokens), float(self.stop_requested)], device=accelerator.device), "sum"
+        )
+        return float(totals[0]), step_targets, int(totals[1]), grad_norm, bool(totals[2] > 0)
+
+    def evaluate(self) -> float:
+        """Token-normalised loss over the whole eval set; each sample is seen by exactly one rank."""
+        import torch
+
+        accelerator = self.accelerator
+        model = accelerator.unwrap_model(self.model)
+        rank, world = accelerator.process_index, accelerator.num_processes
+        shard = self.eval_data.select(range(rank, len(self.eval_data), world))
+        collate = PadCollator(self.tokenizer.pad_token_id)
+        batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        model.eval()
+        with torch.no_grad(), accelerator.autocast():
+            for start in range(0, len(shard), batch_size):
+                batch = collate([shard[i] for i in range(start, min(start + batch_size, len(shard)))])
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss_sum += token_loss_sum(logits, batch["labels"]).double()
+                targets += count_target_tokens(batch)
+        model.train()
+        totals = accelerator.reduce(torch.stack([loss_sum, targets]), "sum")
+        return float(totals[0] / totals[1].clamp(min=1))
+
+    def save_checkpoint(self) -> Path:
+        config = self.config
+        path = ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.output_dir, self.state,
+                                    config.uses_lora, fault_hook=_crash_hook())
+        if self.accelerator.is_main_process:
+            deleted = ckpt.rotate(self.output_dir, config.save_total_limit, self.state.best_checkpoint)
+            for old in deleted:
+                log.info("deleted old checkpoint %s", old.name)
+        self.accelerator.wait_for_everyone()
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def _after_eval(self, metric: float, end_of_epoch: bool) -> bool:
+        """Track the best metric (and the checkpoint about to hold it); True when early stopping says stop.
+
+        As in transformers: any improvement makes a new best, but only one beyond
+        early_stopping_threshold resets the patience counter.
+        """
+        config, state = self.config, self.state
+        previous_best = state.best_metric
+        if improved(metric, previous_best, config.greater_is_better, 0.0):
+            state.best_metric = metric
+            if self._saves_at(state.global_step, end_of_epoch):
+                state.best_checkpoint = f"checkpoint-{state.global_step}"
+        if improved(metric, previous_best, config.greater_is_better, config.early_stopping_threshold):
+            state.evals_without_improvement = 0
+        else:
+            state.evals_without_improvement += 1
+        patience = config.early_stopping_patience
+        return bool(patience and state.evals_without_improvement >= patience)
+
+    def _saves_at(self, step: int, end_of_epoch: bool) -> bool:
+        config = self.config
+        if config.save_strategy == "steps":
+            return step % config.save_steps == 0
+        return config.save_strategy == "epoch" and end_of_epoch
+
+    def _evals_at(self, step: int, end_of_epoch: bool) -> bool:
+        config = self.config
+        if config.eval_strategy == "steps":
+            return step % config.eval_steps == 0
+        return config.eval_strategy == "epoch" and end_of_epoch
+
+    def train(self) -> dict:
+        config, accelerator, state = self.config, self.accelerator, self.state
+        world = accelerator.num_processes
+        self._trim_metrics_after(state.global_step)
+        metrics = MetricsLogger(self.output_dir / "metrics.jsonl", self.total_steps, enabled=accelerator.is_main_process,
+                                start_step=state.global_step, append=True)
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        started = time.perf_counter()
+        window = {"loss": 0.0, "targets": 0, "tokens": 0, "start": time.perf_counter()}
+        stop_early = False
+        self.model.train()
+        with metrics:
+            while state.global_step < self.total_steps and state.epoch < epochs and not stop_early:
+                batches = self._epoch_batches(state.epoch)
+                batches_per_epoch = len(self.loader)
+                for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
+                    loss, targets, tokens, grad_norm, preempt = self._optimizer_step(group)
+                    state.global_step += 1
+                    state.batches_in_epoch += len(group)
+                    consumed = sum(len(b["input_ids"]) for b in group) * world
+                    state.samples_in_epoch += consumed
+                    state.samples_seen += consumed
+                    window["loss"] += loss
+                    window["targets"] += targets
+                    window["tokens"] += tokens
+                    end_of_epoch = state.batches_in_epoch >= batches_per_epoch
+                    if end_of_epoch:
+                        state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                    last = state.global_step >= self.total_steps
+                    if state.global_step % config.logging_steps == 0 or last:
+                        record = self._log_record(window, grad_norm, batches_per_epoch)
+                        metrics.log(record)
+                        state.history.append(record)
+                        window = {"loss": 0.0, "targets": 0, "tokens": 0, "start": time.perf_counter()}
+                    if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
+                        eval_loss = self.evaluate()
+                        metrics.log_eval({"step": state.global_step, "eval_loss": eval_loss})
+                        stop_early = self._after_eval(eval_loss, end_of_epoch)
+                    if preempt:
+                        raise Preempted(self.save_checkpoint())
+                    if self._saves_at(state.global_step, end_of_epoch):
+                        self.save_checkpoint()
+                    if last or stop_early:
+                        break
+            if stop_early:
+                log.info("early stopping at step %d: no improvement in %d evaluation(s)", state.global_step,
+                         config.early_stopping_patience)
+        return self._finish(started, stop_early)
+
+    def _log_record(self, window: dict, grad_norm: float | None, batches_per_epoch: int) -> dict:
+        state = self.state
+        elapsed = time.perf_counter() - window["start"]
+        return {
+            "step": state.global_step,
+            "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
+            "loss": window["loss"] / max(window["targets"], 1),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_second": window["tokens"] / elapsed if elapsed > 0 else None,
+        }
+
+    def _trim_metrics_after(self, step: int) -> None:
+        """On resume, forget metric lines of steps that will be trained again."""
+        path = self.output_dir / "metrics.jsonl"
+        if not self.accelerator.is_main_process or not path.exists():
+            return
+        import json
+
+        lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+    def _finish(self, started: float, stopped_early: bool) -> dict:
+        from accelerate.utils import gather_object
+
+        accelerator, config, state = self.accelerator, self.config, self.state
+        if config.load_best_model_at_end and state.best_checkpoint:
+            best = self.output_dir / state.best_checkpoint
+            if ckpt.is_complete(best):
+                accelerator.load_state(str(best), strict=False)
+                log.info("loaded best checkpoint %s (%s %.4f)", best.name, config.metric_for_best_model, state.best_metric)
+        final_dir = config.final_model_path()
+        save_final_model(accelerator, self.model, self.tokenizer, final_dir)
+        digests = gather_object([parameter_digest(accelerator.unwrap_model(self.model))])
+        history = state.history
+        summary = {
+            "global_step": state.global_step,
+            "num_processes": accelerator.num_processes,
+            "final_model_dir": str(final_dir),
+            "first_loss": history[0]["loss"] if history else None,
+            "final_loss": history[-1]["loss"] if history else None,
+            "best_metric": state.best_metric,
+            "best_checkpoint": state.best_checkpoint,
+            "stopped_early": stopped_early,
+            "rank_weight_digests": digests,
+            "weights_in_sync": len(set(digests)) == 1,
+            "backend": self.backend.name,
+            "train_seconds": time.perf_counter() - started,
+        }
+        if accelerator.is_main_process:
+            write_json_atomic(summary, self.output_dir / "train_summary.json")
+            log.info("saved %s to %s", "adapter" if config.uses_lora else "model", final_dir)
+            if not summary["weights_in_sync"]:
+                log.warning("ranks finished with different weights: %s", digests)
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return summary
+
+
 def train(config: TrainConfig) -> dict:
-    import torch
-
-    env = DistEnv.from_environ()
-    use_cuda = torch.cuda.is_available()
-    backend = choose_backend(config, env, use_cuda)  # imports unsloth, if at all, before transformers
-
-    from accelerate.utils import gather_object, set_seed
-    from torch.utils.data import DataLoader
-    from transformers import get_scheduler
-
-    accelerator = build_accelerator(config, env, use_cuda)
-    _quiet_libraries(accelerator.is_main_process)
-    set_seed(config.seed)
-    log.info("backend: %s%s | processes: %d | device: %s | mixed precision: %s", backend.name,
-             f" ({backend.reason})" if backend.reason else "", accelerator.num_processes, accelerator.device,
-             accelerator.mixed_precision)
-
-    bf16_ok = use_cuda and torch.cuda.is_bf16_supported()
-    model, tokenizer = load_model_and_tokenizer(config, env, backend, use_cuda, bf16_ok)
-    ensure_chat_template(tokenizer, config.chat_template)
-    trainable, total = trainable_parameter_count(model)
-    log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
-             f"{total:,}", 100 * trainable / max(total, 1))
-
-    started = time.perf_counter()
-    with accelerator.local_main_process_first():
-        dataset, from_cache = load_or_build(config.dataset, tokenizer, config, config.output_path() / ".cache" / "preprocessed")
-    log.info("data: %d examples (%s in %.2fs)", len(dataset), "cached" if from_cache else "tokenized",
-             time.perf_counter() - started)
-    dataset = dataset.select_columns(["input_ids", "labels"])
-
-    loader = DataLoader(
-        dataset,
-        batch_size=config.per_device_train_batch_size,
-        shuffle=True,
-        collate_fn=PadCollator(tokenizer.pad_token_id),
-        generator=torch.Generator().manual_seed(config.seed),
-    )
-    optimizer = build_optimizer(config, model)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    steps_per_epoch, total_steps = plan_steps(config, len(loader))
-    # Not prepared: a prepared scheduler steps once per process per optimizer step.
-    scheduler = get_scheduler(config.lr_scheduler_type, optimizer,
-                              num_warmup_steps=warmup_steps(config, total_steps), num_training_steps=total_steps)
-    accelerator.register_for_checkpointing(scheduler)
-    epochs = math.ceil(total_steps / steps_per_epoch)
-    world, accum = accelerator.num_processes, config.gradient_accumulation_steps
-    log.info("steps: %d (%d per epoch, %d epoch(s)) | effective batch: %d x %d x %d = %d", total_steps, steps_per_epoch,
-             epochs, config.per_device_train_batch_size, accum, world, config.per_device_train_batch_size * accum * world)
-
-    state = TrainState()
-    metrics = MetricsLogger(config.output_path() / "metrics.jsonl", total_steps, enabled=accelerator.is_main_process)
-    model.train()
-    window_loss, window_targets, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-    with metrics:
-        for epoch in range(state.epoch, epochs):
-            state.epoch = epoch
-            loader.set_epoch(epoch)
-            for group in micro_batch_groups(iter(loader), accum):
-                local = torch.tensor([sum(count_target_tokens(b) for b in group)], device=accelerator.device)
-                step_targets = int(accelerator.reduce(local, reduction="sum").item())
-                scale = world / max(step_targets, 1)  # DDP averages over ranks; micro-batch gradients add up
-                loss_sum = torch.zeros((), device=accelerator.device)
-                tokens = 0
-                for index, batch in enumerate(group):
-                    last = index == len(group) - 1
-                    with accelerator.no_sync(model) if not last else nullcontext():
-                        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                        summed = token_loss_sum(logits, batch["labels"])
-                        accelerator.backward(summed * scale)
-                    loss_sum += summed.detach()
-                    tokens += int(batch["attention_mask"].sum())
-                grad_norm = None
-                if config.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                optimizer.step()
-                if not accelerator.optimizer_step_was_skipped:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-
-                totals = accelerator.reduce(torch.tensor([float(loss_sum), float(tokens)], device=accelerator.device), "sum")
-                state.global_step += 1
-                state.batches_in_epoch += len(group)
-                state.samples_seen += sum(len(b["input_ids"]) for b in group) * world
-                window_loss += float(totals[0])
-                window_targets += step_targets
-                window_tokens += int(totals[1])
-                if state.global_step % config.logging_steps == 0 or state.global_step == total_steps:
-                    elapsed = time.perf_counter() - window_start
-                    record = {
-                        "step": state.global_step,
-                        "epoch": round(epoch + state.batches_in_epoch / max(len(loader), 1), 4),
-                        "loss": window_loss / max(window_targets, 1),
-                        "learning_rate": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                        "tokens_per_second": window_tokens / elapsed if elapsed > 0 else None,
-                    }
-                    metrics.log(record)
-                    state.history.append(record)
-                    window_loss, window_targets, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-                if state.global_step >= total_steps:
-                    break
-            state.batches_in_epoch = 0
-            if state.global_step >= total_steps:
-                break
-
-    final_dir = config.final_model_path()
-    save_final_model(accelerator, model, tokenizer, final_dir)
-    digests = gather_object([parameter_digest(accelerator.unwrap_model(model))])
-    summary = {
-        "global_step": state.global_step,
-        "num_processes": world,
-        "final_model_dir": str(final_dir),
-        "final_loss": state.history[-1]["loss"] if state.history else None,
-        "first_loss": state.history[0]["loss"] if state.history else None,
-        "rank_weight_digests": digests,
-        "weights_in_sync": len(set(digests)) == 1,
-        "backend": backend.name,
-        "train_seconds": time.perf_counter() - started,
-    }
-    if accelerator.is_main_process:
-        metrics.write_summary(config.output_path() / "train_summary.json", summary)
-        log.info("saved %s to %s", "adapter" if config.uses_lora else "model", final_dir)
-        if not summary["weights_in_sync"]:
-            log.warning("ranks finished with different weights: %s", digests)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
+    recipe = Recipe(config)
+    recipe.setup()
+    return recipe.train()

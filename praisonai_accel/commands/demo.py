@@ -11,7 +11,7 @@ import typer
 def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
-    steps: int = typer.Option(60, "--steps", min=1, help="optimizer steps"),
+    steps: int = typer.Option(80, "--steps", min=1, help="optimizer steps"),
 ) -> None:
     """Build a tiny local model and dataset, then LoRA-train it with N CPU processes."""
     import yaml
@@ -24,8 +24,11 @@ def demo_command(
     if not (model_dir / "config.json").exists():
         typer.echo(f"building a tiny model in {model_dir}", err=True)
         make_tiny_model(model_dir)
-    data = write_jsonl(demo_records(512), directory / "data.jsonl")
-    raw = demo_config(model_dir.resolve(), data.resolve(), (directory / "outputs").resolve(), max_steps=steps)
+    data = directory / "data.jsonl"
+    if not data.exists():
+        write_jsonl(demo_records(512), data)
+    raw = demo_config(model_dir.resolve(), data.resolve(), (directory / "outputs").resolve(), max_steps=steps,
+                      learning_rate=1e-2, logging_steps=10)
     config_path = directory / "config.yaml"
     config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)

@@ -1,0 +1,242 @@
+"""Checkpoints with real processes: SIGKILL and resume, crash mid-save, rotation, epochs, world size, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.config import ConfigError
+
+from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
+from test_training import _workers_of
+
+TWO = ("--cpu", "--num-processes", "2")
+# Dropout on, so resuming is only exact if every rank's RNG state comes back too.
+EXACT = dict(max_steps=40, per_device_train_batch_size=2, lora_dropout=0.1, logging_steps=1, warmup_steps=3)
+
+
+def losses(output_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in read_metrics(output_dir) if "loss" in m]
+
+
+def assert_same_run(a: Path, b: Path, tol: float = 1e-6) -> None:
+    la, lb = losses(a), losses(b)
+    assert [s for s, _ in la] == [s for s, _ in lb]
+    assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb)) <= tol
+    wa, wb = load_adapter(a / "lora_model"), load_adapter(b / "lora_model")
+    assert max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) <= tol
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, alpaca_file):
+    """The uninterrupted 2-process run every interrupted one must reproduce."""
+    directory = tmp_path_factory.mktemp("reference")
+    result = cli("train", str(write_config(directory, tiny_model, alpaca_file, **EXACT)), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory / "out"
+
+
+def start(config: Path, *flags: str, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), *flags],
+                            env=cpu_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    path, deadline = output_dir / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and sum(1 for _ in path.open()) >= step:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"run ended or stalled before step {step}")
+
+
+def test_sigkill_at_several_steps_then_resume_is_exact(tmp_path, tiny_model, alpaca_file, reference):
+    config = write_config(tmp_path, tiny_model, alpaca_file, save_steps=1, **EXACT)
+    out = tmp_path / "out"
+    for kill_at in (4, 17):
+        proc = start(config, *TWO)
+        wait_for_step(out, kill_at, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
+        deadline = time.time() + 20
+        while _workers_of(config) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _workers_of(config)
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr
+    assert_same_run(out, reference)
+
+
+def test_crash_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path, tiny_model, alpaca_file, reference):
+    config = write_config(tmp_path, tiny_model, alpaca_file, save_steps=5, **EXACT)
+    out = tmp_path / "out"
+    crashed = cli("train", str(config), *TWO, env=cpu_env(PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE="10"))
+    assert crashed.returncode != 0
+    assert (out / "checkpoint-10.tmp").is_dir() and not (out / "checkpoint-10").exists()
+    assert ckpt.latest_complete(out).name == "checkpoint-5"
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "removing" in result.stderr and "resumed from" in result.stderr and "checkpoint-5 at step 5" in result.stderr
+    assert_same_run(out, reference)
+
+
+def test_sigterm_saves_a_checkpoint_exits_non_zero_and_resume_completes(tmp_path, tiny_model, alpaca_file, reference):
+    config = write_config(tmp_path, tiny_model, alpaca_file, **EXACT)  # no periodic saves at all
+    out = tmp_path / "out"
+    proc = start(config, *TWO)
+    wait_for_step(out, 6, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    saved = ckpt.complete_checkpoints(out)
+    assert len(saved) == 1 and "stopped by SIGTERM" in stderr
+    assert not _workers_of(config)
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(out, reference)
+
+
+def test_ctrl_c_on_the_launcher_leaves_no_workers(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=100000)
+    proc = start(config, *TWO)
+    wait_for_step(tmp_path / "out", 2, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    deadline = time.time() + 20
+    while _workers_of(config) and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.returncode != 0 and not _workers_of(config)
+
+
+def test_epoch_boundary_resume(tmp_path, tiny_model, alpaca_file):
+    common = dict(per_device_train_batch_size=4, lora_dropout=0.1, max_steps=-1, lr_scheduler_type="constant",
+                  warmup_steps=0, save_strategy="epoch", logging_steps=1)
+    (tmp_path / "ref").mkdir()
+    ref = write_config(tmp_path / "ref", tiny_model, alpaca_file, num_train_epochs=2, **common)
+    assert cli("train", str(ref), *TWO).returncode == 0
+    first = write_config(tmp_path, tiny_model, alpaca_file, num_train_epochs=1, **common)
+    assert cli("train", str(first), *TWO).returncode == 0
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "out")] == ["checkpoint-8"]  # 64 / (4 x 2) per epoch
+    second = write_config(tmp_path, tiny_model, alpaca_file, num_train_epochs=2, **common)
+    result = cli("train", str(second), *TWO)
+    assert result.returncode == 0 and "resumed from" in result.stderr and "epoch 1, 0 batch(es) in" in result.stderr
+    assert_same_run(tmp_path / "out", tmp_path / "ref" / "out")
+
+
+def test_resume_with_another_world_size(tmp_path, tiny_model, alpaca_file):
+    common = dict(max_steps=8, per_device_train_batch_size=2, lora_dropout=0.0, logging_steps=1, save_steps=2)
+    (tmp_path / "ref").mkdir()
+    assert cli("train", str(write_config(tmp_path / "ref", tiny_model, alpaca_file, **common)), *TWO).returncode == 0
+    config = write_config(tmp_path, tiny_model, alpaca_file, **common)
+    crashed = cli("train", str(config), *TWO, env=cpu_env(PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE="6"))
+    assert crashed.returncode != 0 and ckpt.latest_complete(tmp_path / "out").name == "checkpoint-4"
+
+    odd = write_config(tmp_path, tiny_model, alpaca_file, **{**common, "per_device_train_batch_size": 3})
+    refused = cli("train", str(odd))
+    assert refused.returncode == 2 and "cannot continue at exactly that sample" in refused.stderr
+    assert ckpt.latest_complete(tmp_path / "out").name == "checkpoint-4"  # refusing touched nothing
+
+    same_batch = write_config(tmp_path, tiny_model, alpaca_file, **{**common, "gradient_accumulation_steps": 2})
+    result = cli("train", str(same_batch))  # 1 process x 2 x accumulation 2 == 2 processes x 2
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming with 1 process(es) x batch 2 (checkpoint: 2 x 2); continuing at sample 16 of epoch 0" in result.stderr
+    assert_same_run(tmp_path / "out", tmp_path / "ref" / "out", tol=1e-5)
+
+
+def test_rotation_keeps_the_best_and_early_stopping_ends_every_rank(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=30, val_split_ratio=0.25, eval_steps=2,
+                          save_steps=2, save_total_limit=2, load_best_model_at_end=True, early_stopping_patience=2,
+                          early_stopping_threshold=0.05, learning_rate=2e-2)
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    summary = read_summary(out)
+    assert summary["stopped_early"] and summary["global_step"] < 30
+    evals = [m for m in read_metrics(out) if "eval_loss" in m]
+    assert len(evals) == summary["global_step"] // 2
+    best_eval = min(evals, key=lambda m: m["eval_loss"])
+    assert summary["best_checkpoint"] == f"checkpoint-{best_eval['step']}"
+    names = [p.name for p in ckpt.complete_checkpoints(out)]
+    assert summary["best_checkpoint"] in names
+    newest = [f"checkpoint-{s}" for s in range(summary["global_step"] - summary["global_step"] % 2, 0, -2)][:2]
+    assert set(names) == set(newest[: 2 - (summary["best_checkpoint"] not in newest)]) | {summary["best_checkpoint"]}
+    # The final adapter is the best checkpoint's, not the last step's.
+    best = load_adapter(out / summary["best_checkpoint"] / "adapter")
+    final = load_adapter(out / "lora_model")
+    assert all(torch.equal(best[k], final[k]) for k in final)
+    assert not _workers_of(config)
+
+
+def test_eval_loss_is_exact_over_ranks_without_duplicates(tmp_path, tiny_model, alpaca_file):
+    """13 eval samples over 2 ranks: padding the shards with a repeated sample (accelerate's even_batches) would
+    shift the loss; the 1-process run, with the same weights through accumulation, is the ground truth."""
+    outs = {}
+    for name, flags, accum in (("two", TWO, 1), ("one", (), 2)):
+        (tmp_path / name).mkdir()
+        config = write_config(tmp_path / name, tiny_model, alpaca_file, max_steps=2, eval_steps=1,
+                              per_device_train_batch_size=2, gradient_accumulation_steps=accum,
+                              per_device_eval_batch_size=3,
+                              eval_dataset=[{"name": str(alpaca_file), "format": "alpaca", "num_samples": 13}])
+        result = cli("train", str(config), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outs[name] = [m["eval_loss"] for m in read_metrics(tmp_path / name / "out") if "eval_loss" in m]
+    assert len(outs["two"]) == 2
+    assert outs["two"] == pytest.approx(outs["one"], abs=1e-5)
+
+
+def test_resume_choices_and_refusals(tmp_path, tiny_model, alpaca_file):
+    out = tmp_path / "out"
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2)
+    assert cli("train", str(config)).returncode == 0
+    before = sorted(p.name for p in out.iterdir())
+
+    fresh = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2, resume_from_checkpoint=False)
+    result = cli("train", str(fresh))
+    assert result.returncode == 2 and "already holds checkpoints (checkpoint-4)" in result.stderr
+
+    other = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2, lora_r=4)
+    result = cli("train", str(other))
+    assert result.returncode == 2 and "holds checkpoints of another run" in result.stderr
+
+    missing = write_config(tmp_path, tiny_model, alpaca_file, resume_from_checkpoint=str(out / "checkpoint-99"))
+    result = cli("train", str(missing))
+    assert result.returncode == 2 and "no such checkpoint directory" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == before  # refusals change nothing on disk
+
+    (out / "checkpoint-4" / ckpt.MARKER).unlink()
+    partial = write_config(tmp_path, tiny_model, alpaca_file, resume_from_checkpoint=str(out / "checkpoint-4"))
+    result = cli("train", str(partial))
+    assert result.returncode == 2 and "is incomplete" in result.stderr
+
+    longer = write_config(tmp_path, tiny_model, alpaca_file, max_steps=6, save_steps=2)
+    result = cli("train", str(longer))
+    assert result.returncode == 0
+    assert "skipping incomplete checkpoint" in result.stderr and "resumed from" in result.stderr and "checkpoint-2 at step 2" in result.stderr
+
+    over = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, save_steps=2, lora_r=4, overwrite_output_dir=True)
+    assert cli("train", str(over)).returncode == 0
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
+
+
+def test_rotate_never_deletes_the_best(tmp_path):
+    for step in (2, 4, 6, 8):
+        path = tmp_path / f"checkpoint-{step}"
+        path.mkdir()
+        (path / ckpt.MARKER).write_text("")
+        (path / ckpt.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-10").mkdir()  # incomplete: never counted, never picked
+    deleted = ckpt.rotate(tmp_path, limit=2, keep="checkpoint-2")
+    assert [p.name for p in deleted] == ["checkpoint-4", "checkpoint-6"]
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]
+    assert ckpt.latest_complete(tmp_path).name == "checkpoint-8"

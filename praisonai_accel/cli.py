@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import typer
 
+from .commands.chat import chat_command, generate_command
 from .commands.config import config_command
 from .commands.demo import demo_command
 from .commands.env import env_command
+from .commands.merge import merge_command
+from .commands.publish import publish_app
 from .commands.train import train_command
 
 app = typer.Typer(
@@ -20,6 +23,10 @@ app.command("train")(train_command)
 app.command("config")(config_command)
 app.command("env")(env_command)
 app.command("demo")(demo_command)
+app.command("merge")(merge_command)
+app.command("chat")(chat_command)
+app.command("generate")(generate_command)
+app.add_typer(publish_app, name="publish")
 
 
 def main() -> None:

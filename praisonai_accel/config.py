@@ -19,7 +19,9 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 MULTI_DEVICE_MAPS = {"auto", "balanced", "balanced_low_0", "sequential"}
 
 # Keys of the original PraisonAI train config, accepted under their old names.
-KEY_ALIASES = {"split_type": "split", "hf_model_name": "hub_model_id", "random_state": "seed"}
+KEY_ALIASES = {"split_type": "split", "hf_model_name": "hub_model_id", "random_state": "seed",
+               "huggingface_save": "push_to_hub"}
+SECRET_KEYS = {"hub_token", "hf_token", "token", "huggingface_token"}
 
 
 # Keys that may change between an interrupted run and its resumption without making it another run.
@@ -28,6 +30,7 @@ RESUMABLE_KEYS = {
     "resume_from_checkpoint", "overwrite_output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
     "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "mixed_precision", "output_dir",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
 }
 
 
@@ -123,6 +126,15 @@ class TrainConfig(_Strict):
     early_stopping_patience: int | None = Field(default=None, gt=0)
     early_stopping_threshold: float = Field(default=0.0, ge=0.0)
 
+    # publishing (rank 0 only, after training; the token comes from HF_TOKEN, never from this file)
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = "end"
+    hub_private: bool = True
+    ollama_model: str | None = None
+    ollama_base: str | None = None  # an Ollama model to use as FROM; default: upload the base model's files
+    ollama_push: bool = False
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "TrainConfig":
         if self.load_in_4bit and self.finetune_type == "full":
@@ -137,6 +149,10 @@ class TrainConfig(_Strict):
                     f"device_map: unknown value '{self.device_map}'; use auto, balanced, sequential, cpu, cuda:N or a mapping"
                 )
         self._check_save_and_eval()
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("hub_model_id: required when push_to_hub is true (e.g. your-name/my-model)")
+        if self.ollama_push and not self.ollama_model:
+            raise ValueError("ollama_push: needs ollama_model (name:tag)")
         return self
 
     def _check_save_and_eval(self) -> None:
@@ -145,6 +161,8 @@ class TrainConfig(_Strict):
         if self.save_strategy == "steps" and not self.save_steps:
             raise ValueError("save_steps: required when save_strategy is 'steps'")
         has_eval_data = bool(self.eval_dataset) or self.val_split_ratio > 0
+        if self.eval_steps and not has_eval_data:
+            raise ValueError("eval_steps: evaluation needs eval_dataset or val_split_ratio")
         if self.eval_strategy is None:
             self.eval_strategy = ("steps" if self.eval_steps else "epoch") if has_eval_data else "no"
         if self.eval_strategy != "no" and not has_eval_data:
@@ -250,6 +268,9 @@ def _describe(errors: list[dict]) -> str:
 def parse_config(data: Any, source: str = "config") -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    secret = next((k for k in data if str(k).lower() in SECRET_KEYS), None)
+    if secret is not None:
+        raise ConfigError(f"{source}: {secret}: tokens never go in config files; set HF_TOKEN in the environment")
     data = {KEY_ALIASES.get(k, k): v for k, v in data.items()}
     if isinstance(data.get("dataset"), (dict, str)):
         data["dataset"] = [data["dataset"]]

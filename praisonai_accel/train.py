@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 from .data import DataError
 from .distributed import DistEnv, die_with_parent
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as if the signal had ended us, but with a checkpoint on disk
+PUBLISH_FAILED_EXIT_CODE = 4  # trained and saved, but a push or an Ollama create failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import Preempted, train
 
     try:
-        train(load_config(args.config))
+        config = load_config(args.config)
+        publisher = _hub_publisher(config, env)
+        summary = train(config, publisher)
     except (ConfigError, DataError) as exc:
         if env.local_rank == 0:  # every rank hits the same bad input; say it once
             print(f"error: {exc}", file=sys.stderr)
@@ -41,7 +45,34 @@ def main(argv: list[str] | None = None) -> int:
         _close_process_group(wait_for_others=False)
         return PREEMPTED_EXIT_CODE
     _close_process_group(wait_for_others=True)
-    return 0
+    # From here on only rank 0 works, and no other rank waits for it.
+    problems = publish_after_training(config, publisher, Path(summary["final_model_dir"])) if env.rank == 0 else []
+    for problem in problems:
+        print(f"error: {problem} (the trained model is safe in {summary['final_model_dir']})", file=sys.stderr)
+    return PUBLISH_FAILED_EXIT_CODE if problems else 0
+
+
+def _hub_publisher(config, env: DistEnv):
+    if not config.push_to_hub or env.rank != 0:
+        return None
+    from .hub import HubPublisher
+
+    return HubPublisher(config)
+
+
+def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
+    """Wait for Hub uploads, then create the Ollama model; returns one line per failure."""
+    problems = publisher.wait() if publisher is not None else []
+    if config.ollama_model:
+        from .ollama_publish import publish
+
+        try:
+            modelfile = publish(final_dir, config.ollama_model, ollama_base=config.ollama_base, push=config.ollama_push)
+            print(f"praisonai-accel: created Ollama model {config.ollama_model} (Modelfile: {modelfile})", file=sys.stderr)
+        except Exception as exc:  # server down, refused, missing base files: report, keep the model
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            problems.append(f"ollama: could not create {config.ollama_model}: {type(exc).__name__}: {first}")
+    return problems
 
 
 def _close_process_group(wait_for_others: bool) -> None:

@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, PadCollator, ensure_chat_template, load_or_build
 from .distributed import DistEnv, resolve_mixed_precision
+from .hub import model_card
 from .metrics import MetricsLogger, write_json_atomic
 from .model import choose_backend, load_model_and_tokenizer, trainable_parameter_count
 
@@ -114,8 +115,8 @@ def resume_skip(state: ckpt.CheckpointState, world: int, per_device: int) -> tup
     )
 
 
-def save_final_model(accelerator, model, tokenizer, target: Path) -> None:
-    """Rank 0 writes the adapter (or full model) and tokenizer; the directory appears complete or not at all."""
+def save_final_model(accelerator, model, tokenizer, target: Path, model_card: str | None = None) -> None:
+    """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at all."""
     state_dict = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed, so every rank calls it
     if accelerator.is_main_process:
         target = Path(target)
@@ -124,6 +125,8 @@ def save_final_model(accelerator, model, tokenizer, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if model_card is not None:
+            (tmp / "README.md").write_text(model_card)
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         if target.exists():
             os.replace(target, old)
@@ -161,8 +164,9 @@ def _crash_hook():
 # ---------------------------------------------------------------- the recipe
 
 class Recipe:
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, publisher=None):
         self.config = config
+        self.publisher = publisher  # rank 0's HubPublisher, or None
         self.env = DistEnv.from_environ()
         self.output_dir = config.output_path()
         self.stop_requested = False
@@ -408,6 +412,8 @@ class Recipe:
             deleted = ckpt.rotate(self.output_dir, config.save_total_limit, self.state.best_checkpoint)
             for old in deleted:
                 log.info("deleted old checkpoint %s", old.name)
+            if self.publisher is not None:
+                self.publisher.on_checkpoint(path)
         self.accelerator.wait_for_everyone()
         log.info("saved checkpoint %s", path)
         return path
@@ -524,8 +530,6 @@ class Recipe:
                 accelerator.load_state(str(best), strict=False)
                 log.info("loaded best checkpoint %s (%s %.4f)", best.name, config.metric_for_best_model, state.best_metric)
         final_dir = config.final_model_path()
-        save_final_model(accelerator, self.model, self.tokenizer, final_dir)
-        digests = gather_object([parameter_digest(accelerator.unwrap_model(self.model))])
         history = state.history
         summary = {
             "global_step": state.global_step,
@@ -536,11 +540,17 @@ class Recipe:
             "best_metric": state.best_metric,
             "best_checkpoint": state.best_checkpoint,
             "stopped_early": stopped_early,
+        }
+        save_final_model(accelerator, self.model, self.tokenizer, final_dir, model_card(config, summary))
+        if self.publisher is not None:
+            self.publisher.on_final(final_dir)
+        digests = gather_object([parameter_digest(accelerator.unwrap_model(self.model))])
+        summary.update({
             "rank_weight_digests": digests,
             "weights_in_sync": len(set(digests)) == 1,
             "backend": self.backend.name,
             "train_seconds": time.perf_counter() - started,
-        }
+        })
         if accelerator.is_main_process:
             write_json_atomic(summary, self.output_dir / "train_summary.json")
             log.info("saved %s to %s", "adapter" if config.uses_lora else "model", final_dir)
@@ -551,7 +561,7 @@ class Recipe:
         return summary
 
 
-def train(config: TrainConfig) -> dict:
-    recipe = Recipe(config)
+def train(config: TrainConfig, publisher=None) -> dict:
+    recipe = Recipe(config, publisher)
     recipe.setup()
     return recipe.train()

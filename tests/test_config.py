@@ -38,6 +38,14 @@ BAD_CONFIGS = [
     ({"load_in_4bit": True, "finetune_type": "full"}, "load_in_4bit: 4-bit weights cannot be fully fine-tuned"),
     ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps: expected an integer"),
     ({"model_name": None}, "model_name: expected a string"),
+    ({"push_to_hub": True}, "hub_model_id: required when push_to_hub is true"),
+    ({"hub_token": "hf_abcdef"}, "hub_token: tokens never go in config files; set HF_TOKEN in the environment"),
+    ({"hub_strategy": "sometimes"}, "hub_strategy: expected one of 'end', 'every_save', 'checkpoint' or 'all_checkpoints'"),
+    ({"save_strategy": "steps"}, "save_steps: required when save_strategy is 'steps'"),
+    ({"eval_steps": 5}, "eval_steps: evaluation needs eval_dataset or val_split_ratio"),
+    ({"eval_strategy": "epoch"}, "eval_strategy: 'epoch' needs eval_dataset or val_split_ratio"),
+    ({"val_split_ratio": 0.1, "load_best_model_at_end": True}, "load_best_model_at_end: needs save_strategy and eval_strategy"),
+    ({"resume_from_checkpoint": 3}, "resume_from_checkpoint: expected true or false or a string"),
 ]
 
 
@@ -92,12 +100,9 @@ def test_numbers_in_exponent_form_are_floats_and_seed_keys_are_accepted():
            "dataset:\n  - name: yahma/alpaca-cleaned\n    split_type: train[:10]\n"
     raw = yaml.safe_load(text)
     assert raw["learning_rate"] == "2e-4"  # PyYAML reads it as a string...
-    with pytest.raises(ConfigError, match="unknown key 'hub_model_id'"):
-        parse_config(raw)  # hub_model_id arrives with publishing; the alias maps onto it
-    raw.pop("hf_model_name")
     cfg = parse_config(raw)
     assert cfg.learning_rate == pytest.approx(2e-4) and isinstance(cfg.learning_rate, float)  # ...we read a float
-    assert cfg.seed == 7 and cfg.dataset[0].split == "train[:10]"
+    assert cfg.seed == 7 and cfg.dataset[0].split == "train[:10]" and cfg.hub_model_id == "me/model"
 
 
 def test_defaults_and_derived_values():

@@ -1,0 +1,27 @@
+"""praisonai-accel merge: fold a LoRA adapter into its base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ._common import fail
+
+
+def merge_command(
+    path: Path = typer.Argument(..., help="the adapter directory, or the training output_dir"),
+    to: Optional[Path] = typer.Option(None, "--to", help="where to write the merged model (default: <adapter>-merged)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing, non-empty target"),
+) -> None:
+    """Merge the LoRA adapter into the base model; save safetensors + tokenizer."""
+    from ..inference import ModelDirError, merge_adapter, resolve_model_dir
+
+    try:
+        adapter = resolve_model_dir(path)
+        target = to or adapter.with_name(adapter.name + "-merged")
+        merge_adapter(adapter, target, force=force)
+    except (ModelDirError, OSError) as exc:
+        fail(str(exc).splitlines()[0])
+    typer.echo(f"merged {adapter} into {target}")

@@ -1,0 +1,32 @@
+"""praisonai-accel publish ollama: create an Ollama model from a trained adapter or merged model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ._common import fail
+
+publish_app = typer.Typer(help="Publish a trained model.", no_args_is_help=True)
+
+
+@publish_app.command("ollama")
+def ollama_command(
+    path: Path = typer.Argument(..., help="adapter directory, merged model, or training output_dir"),
+    name: str = typer.Option(..., "--name", help="Ollama model name, name:tag"),
+    from_: Optional[str] = typer.Option(None, "--from", help="an Ollama model to use as FROM instead of uploading the base model"),
+    push: bool = typer.Option(False, "--push", help="also push it to the Ollama registry"),
+    host: Optional[str] = typer.Option(None, "--host", help="Ollama server (default: $OLLAMA_HOST or localhost:11434)"),
+) -> None:
+    """Write a Modelfile next to the model and create it on the Ollama server."""
+    from ..inference import ModelDirError, resolve_model_dir
+    from ..ollama_publish import publish
+
+    try:
+        model_dir = resolve_model_dir(path)
+        modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host)
+    except Exception as exc:  # connection refused, server errors, missing files: one line, never a traceback
+        fail(f"ollama: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
+    typer.echo(f"created Ollama model {name} (Modelfile: {modelfile})")

@@ -1,0 +1,165 @@
+"""Pushing to the Hugging Face Hub from rank 0, in the background, without ever touching local files.
+
+Uploads run on one worker thread, in order, from hard-linked snapshots of the folders, so a
+checkpoint rotated away mid-upload is still pushed whole and the local copy is never changed.
+Other ranks never wait: the final wait happens after the process group is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from . import __version__
+from .config import TrainConfig
+
+log = logging.getLogger("praisonai_accel")
+
+TOKEN_ENV = "HF_TOKEN"
+CHECKPOINT_IGNORE = ["*.tmp", "*.tmp/*"]
+
+
+def redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def _snapshot(folder: Path) -> Path:
+    """Hard-linked copy: costs no space, and outlives the deletion of the original."""
+    staging = Path(tempfile.mkdtemp(prefix="praisonai-accel-push-"))
+    target = staging / folder.name
+    try:
+        shutil.copytree(folder, target, copy_function=os.link)
+    except OSError:  # another filesystem: fall back to a real copy
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(folder, target)
+    return target
+
+
+class HubPublisher:
+    """Rank 0's uploads for one run, following hub_strategy like transformers' Trainer."""
+
+    def __init__(self, config: TrainConfig, api=None):
+        self.config = config
+        self.repo_id = config.hub_model_id
+        self.token = os.environ.get(TOKEN_ENV) or None
+        self._api = api
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[tuple[str, Future]] = []
+        self._repo_ready = False
+        self.errors: list[str] = []
+        if not self.token:
+            log.warning("push_to_hub: %s is not set in the environment; training goes on, nothing will be pushed", TOKEN_ENV)
+
+    @property
+    def api(self):
+        if self._api is None:
+            from huggingface_hub import HfApi
+
+            rank = os.environ.get("RANK", "0")
+            self._api = HfApi(token=self.token, library_name="praisonai-accel", library_version=__version__,
+                              user_agent={"rank": rank})
+        return self._api
+
+    # ---------------------------------------------------------------- what gets pushed when
+
+    def on_checkpoint(self, checkpoint: Path) -> None:
+        strategy = self.config.hub_strategy
+        if strategy == "every_save" and (checkpoint / "adapter").is_dir():
+            self._submit(checkpoint / "adapter", "", f"Training in progress, step {checkpoint.name.split('-')[-1]}")
+        elif strategy == "checkpoint":
+            self._submit(checkpoint, "last-checkpoint", f"Checkpoint {checkpoint.name}", delete_patterns=["*"])
+        elif strategy == "all_checkpoints":
+            self._submit(checkpoint, checkpoint.name, f"Checkpoint {checkpoint.name}")
+
+    def on_final(self, final_dir: Path) -> None:
+        self._submit(final_dir, "", "End of training")
+
+    # ---------------------------------------------------------------- mechanics
+
+    def _submit(self, folder: Path, path_in_repo: str, message: str, delete_patterns: list[str] | None = None) -> None:
+        if not self.token:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-push")
+        snapshot = _snapshot(Path(folder))
+        future = self._executor.submit(self._upload, snapshot, path_in_repo, message, delete_patterns)
+        self._futures.append((message, future))
+
+    def _upload(self, snapshot: Path, path_in_repo: str, message: str, delete_patterns) -> str:
+        try:
+            if not self._repo_ready:
+                self.api.create_repo(self.repo_id, private=self.config.hub_private, exist_ok=True)
+                self._repo_ready = True
+            info = self.api.upload_folder(
+                repo_id=self.repo_id, folder_path=str(snapshot), path_in_repo=path_in_repo or None,
+                commit_message=message, ignore_patterns=CHECKPOINT_IGNORE,
+                delete_patterns=[f"{path_in_repo}/{p}" if path_in_repo else p for p in delete_patterns] if delete_patterns else None,
+            )
+            return str(getattr(info, "commit_url", info))
+        finally:
+            shutil.rmtree(snapshot.parent, ignore_errors=True)
+
+    def wait(self) -> list[str]:
+        """Block until every push is done; returns one line per failure (the token redacted)."""
+        if not self.token:
+            if self.config.push_to_hub:
+                self.errors.append(f"push_to_hub: {TOKEN_ENV} is not set in the environment; nothing was pushed")
+            return self.errors
+        for message, future in self._futures:
+            try:
+                url = future.result()
+                log.info("pushed to https://huggingface.co/%s (%s): %s", self.repo_id, message, url)
+            except Exception as exc:  # network, 401/403, 404...: report, never raise past training
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self.errors.append(redact(f"push to {self.repo_id} failed ({message}): {type(exc).__name__}: {first}", self.token))
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        return self.errors
+
+
+def model_card(config: TrainConfig, summary: dict) -> str:
+    """README.md for the pushed folder: what it is, what it was trained on, how, and how well."""
+    datasets = [d.name for d in config.dataset]
+    hub_datasets = [d for d in datasets if not Path(d).expanduser().exists()]
+    front = ["---", f"base_model: {config.model_name}", "library_name: peft" if config.uses_lora else "library_name: transformers",
+             "pipeline_tag: text-generation", "tags:", "- praisonai-accel", f"- {config.finetune_type}"]
+    if hub_datasets:
+        front += ["datasets:"] + [f"- {d}" for d in hub_datasets]
+    front.append("---")
+    world = summary.get("num_processes", 1)
+    rows = [
+        ("base model", config.model_name),
+        ("method", config.finetune_type),
+        ("datasets", ", ".join(datasets)),
+        ("max_seq_length", config.max_seq_length),
+        ("learning_rate", config.learning_rate),
+        ("lr_scheduler_type", config.lr_scheduler_type),
+        ("per_device_train_batch_size", config.per_device_train_batch_size),
+        ("gradient_accumulation_steps", config.gradient_accumulation_steps),
+        ("processes", world),
+        ("effective batch", config.per_device_train_batch_size * config.gradient_accumulation_steps * world),
+        ("optimizer steps", summary.get("global_step")),
+        ("seed", config.seed),
+    ]
+    if config.uses_lora:
+        rows += [("lora_r", config.lora_r), ("lora_alpha", config.lora_alpha), ("lora_dropout", config.lora_dropout),
+                 ("lora_target_modules", config.lora_target_modules)]
+    final_loss = summary.get("final_loss")
+    rows.append(("final training loss", f"{final_loss:.4f}" if final_loss is not None else "n/a"))
+    if summary.get("best_metric") is not None:
+        rows.append((config.metric_for_best_model, f"{summary['best_metric']:.4f}"))
+    table = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    title = config.hub_model_id or Path(config.final_model_dir).name
+    usage = (
+        "```python\nfrom peft import AutoPeftModelForCausalLM\n"
+        f"model = AutoPeftModelForCausalLM.from_pretrained(\"{title}\")\n```"
+        if config.uses_lora else
+        f"```python\nfrom transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"{title}\")\n```"
+    )
+    body = [f"# {title}", "", f"Fine-tuned from `{config.model_name}` with praisonai-accel {__version__}.", "",
+            "## Training", ""] + table + ["", "## Use", "", usage, ""]
+    return "\n".join(front + [""] + body)

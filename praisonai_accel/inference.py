@@ -1,0 +1,86 @@
+"""Load a trained adapter (or a full model) for inference, merge adapters, and generate replies."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+
+class ModelDirError(Exception):
+    """A path that holds no usable model, phrased for the user."""
+
+
+def resolve_model_dir(path: Path) -> Path:
+    """An adapter/model directory, or a training output_dir whose final model is inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelDirError(f"{path}: no such directory")
+    if (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return path
+    summary = path / "train_summary.json"
+    if summary.is_file():
+        final = Path(json.loads(summary.read_text())["final_model_dir"])
+        if final.is_dir():
+            return final
+    if (path / "lora_model" / "adapter_config.json").is_file():
+        return path / "lora_model"
+    raise ModelDirError(f"{path}: holds no adapter_config.json or config.json (point at the adapter directory)")
+
+
+def base_model_of(adapter_dir: Path) -> str:
+    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def load_for_inference(path: Path, device: str | None = None):
+    """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if (model_dir / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(base_model_of(model_dir), dtype="auto")
+        model = PeftModel.from_pretrained(base, str(model_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+    model.to(device).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def merge_adapter(path: Path, target: Path, force: bool = False) -> Path:
+    """Fold the LoRA weights into the base model and save safetensors + tokenizer, atomically."""
+    adapter_dir = resolve_model_dir(path)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ModelDirError(f"{adapter_dir}: is a full model already, there is no adapter to merge")
+    target = Path(target)
+    if target.exists() and any(target.iterdir()) and not force:
+        raise ModelDirError(f"{target}: already exists and is not empty; pass --force to replace it")
+    model, tokenizer = load_for_inference(adapter_dir, device="cpu")
+    merged = model.merge_and_unload()
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0) -> str:
+    import torch
+
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()

@@ -69,7 +69,8 @@ class TrainConfig(_Strict):
     train_on_inputs: bool = False
     chat_template: str | None = None
     dataset_num_proc: int | None = Field(default=None, gt=0)
-    group_by_length: bool = False
+    group_by_length: bool = False  # batch samples of similar length: far less padding, same sequence for any layout
+    group_by_length_window: int = Field(default=256, gt=0)
 
     # fine-tune method
     finetune_type: Literal["lora", "qlora", "full"] = "lora"

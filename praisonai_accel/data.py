@@ -247,6 +247,32 @@ def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cach
     return datasets.load_from_disk(str(target)), False
 
 
+class LengthGroupedSampler:
+    """A shuffled order in which every window of `window` samples is sorted longest first.
+
+    Neighbouring samples then have similar lengths, so batches carry little padding. The order
+    depends only on the seed, the epoch and the lengths, never on batch size or process count,
+    so every layout (and a resumed run with another layout) walks the same sample sequence.
+    """
+
+    def __init__(self, lengths: list[int], window: int, seed: int):
+        self.lengths, self.window, self.seed, self.epoch = list(lengths), window, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        for start in range(0, len(order), self.window):
+            yield from sorted(order[start:start + self.window], key=lambda i: -self.lengths[i])
+
+
 class PadCollator:
     """Right-pads a batch to its longest example; padding never counts toward the loss."""
 

@@ -57,7 +57,7 @@ class MetricsLogger:
         self._file.flush()
         line = f"step {record['step']}/{self.total_steps} " + " ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in record.items() if k != "step" and v is not None
+            for k, v in record.items() if k not in ("step", "time", "tokens", "positions") and v is not None
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], loss=f"loss {record['loss']:.4f}")
@@ -65,12 +65,15 @@ class MetricsLogger:
         else:
             log.info(line)
 
-    def log_eval(self, record: dict) -> None:
+    def log_event(self, record: dict) -> None:
+        """An eval result or a checkpoint: written to metrics.jsonl, printed without the timestamp."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        line = f"step {record['step']}/{self.total_steps} eval_loss {record['eval_loss']:.4g}"
+        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+                         if k not in ("step", "time"))
+        line = f"step {record['step']}/{self.total_steps} {shown}"
         (self._progress.console.print if self._progress is not None else log.info)(line)
 
     def __exit__(self, *exc) -> None:

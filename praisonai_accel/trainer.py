@@ -18,12 +18,13 @@ import signal
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from . import checkpoint as ckpt
 from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, PadCollator, ensure_chat_template, load_or_build
+from .data import IGNORE_INDEX, LengthGroupedSampler, PadCollator, ensure_chat_template, load_or_build
 from .distributed import DistEnv, resolve_mixed_precision
 from .hub import model_card
 from .metrics import MetricsLogger, write_json_atomic
@@ -34,6 +35,48 @@ log = logging.getLogger("praisonai_accel")
 # Test-only fault injection: rank 0 dies inside the save of this step, after the state is written
 # but before the checkpoint is marked complete.
 CRASH_IN_SAVE_ENV = "PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE"
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # summed token losses
+    targets: int  # tokens the loss was computed on
+    tokens: int  # real input tokens
+    positions: int  # tokens processed, padding included
+    grad_norm: float | None
+    stop: bool  # some rank received SIGTERM
+
+
+class Window:
+    """Steps since the last log line, summed over ranks."""
+
+    def __init__(self):
+        self.steps = self.targets = self.tokens = self.positions = 0
+        self.loss_sum = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, step: StepResult) -> None:
+        self.steps += 1
+        self.loss_sum += step.loss_sum
+        self.targets += step.targets
+        self.tokens += step.tokens
+        self.positions += step.positions
+
+    def record(self, state, learning_rate: float, grad_norm: float | None, batches_per_epoch: int) -> dict:
+        elapsed = time.perf_counter() - self.started
+        return {
+            "step": state.global_step,
+            "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
+            "loss": self.loss_sum / max(self.targets, 1),
+            "learning_rate": learning_rate,
+            "grad_norm": grad_norm,
+            "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,
+            "step_seconds": elapsed / max(self.steps, 1),
+            "padding_fraction": 1 - self.tokens / max(self.positions, 1),
+            "tokens": self.tokens,
+            "positions": self.positions,
+            "time": time.time(),
+        }
 
 
 class Preempted(Exception):
@@ -149,6 +192,12 @@ def _quiet_libraries(is_main: bool) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
+def _peak_gpu_memory_mib() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
 def _crash_hook():
     step = os.environ.get(CRASH_IN_SAVE_ENV)
     if not step:
@@ -195,8 +244,8 @@ class Recipe:
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
 
-        train_data, self.eval_data = self._load_data()
-        loader = self._train_loader(train_data)
+        train_data, lengths, self.eval_data = self._load_data()
+        loader = self._train_loader(train_data, lengths)
         optimizer = self._build_optimizer(model)
         self.model, self.optimizer, self.loader = accelerator.prepare(model, optimizer, loader)
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
@@ -261,15 +310,19 @@ class Recipe:
         if evaluation is not None:
             log.info("eval: %d examples", len(evaluation))
             evaluation = evaluation.select_columns(["input_ids", "labels"])
-        return train.select_columns(["input_ids", "labels"]), evaluation
+        self.preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
+        return train.select_columns(["input_ids", "labels"]), train["length"], evaluation
 
-    def _train_loader(self, dataset):
+    def _train_loader(self, dataset, lengths: list[int]):
         import torch
         from torch.utils.data import DataLoader
 
-        return DataLoader(dataset, batch_size=self.config.per_device_train_batch_size, shuffle=True,
-                          collate_fn=PadCollator(self.tokenizer.pad_token_id),
-                          generator=torch.Generator().manual_seed(self.config.seed))
+        config = self.config
+        common = {"batch_size": config.per_device_train_batch_size, "collate_fn": PadCollator(self.tokenizer.pad_token_id)}
+        if config.group_by_length:
+            sampler = LengthGroupedSampler(lengths, config.group_by_length_window, config.seed)
+            return DataLoader(dataset, sampler=sampler, **common)
+        return DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(config.seed), **common)
 
     def _build_optimizer(self, model):
         import torch
@@ -346,11 +399,8 @@ class Recipe:
             ckpt.load_rng_state(rng_checkpoint, self.accelerator.process_index)
         return itertools.chain([first], batches)
 
-    def _optimizer_step(self, group: list) -> tuple[float, int, int, float | None, bool]:
-        """Forward/backward every micro-batch, then one optimizer step.
-
-        Returns (summed loss over all ranks, target tokens, input tokens, grad norm, stop requested anywhere).
-        """
+    def _optimizer_step(self, group: list) -> "StepResult":
+        """Forward/backward every micro-batch, then one optimizer step; totals are over all ranks."""
         import torch
 
         accelerator, model = self.accelerator, self.model
@@ -358,7 +408,7 @@ class Recipe:
         step_targets = int(accelerator.reduce(local, reduction="sum").item())
         scale = accelerator.num_processes / max(step_targets, 1)  # DDP averages over ranks; micro-batch grads add up
         loss_sum = torch.zeros((), device=accelerator.device)
-        tokens = 0
+        tokens = positions = 0
         for index, batch in enumerate(group):
             last = index == len(group) - 1
             with nullcontext() if last else accelerator.no_sync(model):
@@ -367,6 +417,7 @@ class Recipe:
                 accelerator.backward(summed * scale)
             loss_sum += summed.detach()
             tokens += int(batch["attention_mask"].sum())
+            positions += batch["attention_mask"].numel()
         grad_norm = None
         if self.config.max_grad_norm > 0:
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), self.config.max_grad_norm))
@@ -374,11 +425,11 @@ class Recipe:
         if not accelerator.optimizer_step_was_skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # One collective for the loss, the token count and the stop decision, so every rank agrees.
-        totals = accelerator.reduce(
-            torch.tensor([float(loss_sum), float(tokens), float(self.stop_requested)], device=accelerator.device), "sum"
-        )
-        return float(totals[0]), step_targets, int(totals[1]), grad_norm, bool(totals[2] > 0)
+        # One collective for the loss, token counts and the stop decision, so every rank agrees.
+        totals = accelerator.reduce(torch.tensor(
+            [float(loss_sum), float(tokens), float(positions), float(self.stop_requested)], device=accelerator.device), "sum")
+        return StepResult(loss_sum=float(totals[0]), targets=step_targets, tokens=int(totals[1]),
+                          positions=int(totals[2]), grad_norm=grad_norm, stop=bool(totals[3] > 0))
 
     def evaluate(self) -> float:
         """Token-normalised loss over the whole eval set; each sample is seen by exactly one rank."""
@@ -406,8 +457,11 @@ class Recipe:
 
     def save_checkpoint(self) -> Path:
         config = self.config
+        started = time.perf_counter()
         path = ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.output_dir, self.state,
                                     config.uses_lora, fault_hook=_crash_hook())
+        self.metrics.log_event({"step": self.state.global_step, "checkpoint": path.name,
+                                "save_seconds": time.perf_counter() - started, "time": time.time()})
         if self.accelerator.is_main_process:
             deleted = ckpt.rotate(self.output_dir, config.save_total_limit, self.state.best_checkpoint)
             for old in deleted:
@@ -453,11 +507,11 @@ class Recipe:
         config, accelerator, state = self.config, self.accelerator, self.state
         world = accelerator.num_processes
         self._trim_metrics_after(state.global_step)
-        metrics = MetricsLogger(self.output_dir / "metrics.jsonl", self.total_steps, enabled=accelerator.is_main_process,
-                                start_step=state.global_step, append=True)
+        metrics = self.metrics = MetricsLogger(self.output_dir / "metrics.jsonl", self.total_steps,
+                                               enabled=accelerator.is_main_process, start_step=state.global_step, append=True)
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         started = time.perf_counter()
-        window = {"loss": 0.0, "targets": 0, "tokens": 0, "start": time.perf_counter()}
+        window = Window()
         stop_early = False
         self.model.train()
         with metrics:
@@ -465,29 +519,27 @@ class Recipe:
                 batches = self._epoch_batches(state.epoch)
                 batches_per_epoch = len(self.loader)
                 for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
-                    loss, targets, tokens, grad_norm, preempt = self._optimizer_step(group)
+                    step = self._optimizer_step(group)
                     state.global_step += 1
                     state.batches_in_epoch += len(group)
                     consumed = sum(len(b["input_ids"]) for b in group) * world
                     state.samples_in_epoch += consumed
                     state.samples_seen += consumed
-                    window["loss"] += loss
-                    window["targets"] += targets
-                    window["tokens"] += tokens
+                    window.add(step)
                     end_of_epoch = state.batches_in_epoch >= batches_per_epoch
                     if end_of_epoch:
                         state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
                     last = state.global_step >= self.total_steps
                     if state.global_step % config.logging_steps == 0 or last:
-                        record = self._log_record(window, grad_norm, batches_per_epoch)
+                        record = window.record(state, self.scheduler.get_last_lr()[0], step.grad_norm, batches_per_epoch)
                         metrics.log(record)
                         state.history.append(record)
-                        window = {"loss": 0.0, "targets": 0, "tokens": 0, "start": time.perf_counter()}
+                        window = Window()
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         eval_loss = self.evaluate()
-                        metrics.log_eval({"step": state.global_step, "eval_loss": eval_loss})
+                        metrics.log_event({"step": state.global_step, "eval_loss": eval_loss})
                         stop_early = self._after_eval(eval_loss, end_of_epoch)
-                    if preempt:
+                    if step.stop:
                         raise Preempted(self.save_checkpoint())
                     if self._saves_at(state.global_step, end_of_epoch):
                         self.save_checkpoint()
@@ -497,18 +549,6 @@ class Recipe:
                 log.info("early stopping at step %d: no improvement in %d evaluation(s)", state.global_step,
                          config.early_stopping_patience)
         return self._finish(started, stop_early)
-
-    def _log_record(self, window: dict, grad_norm: float | None, batches_per_epoch: int) -> dict:
-        state = self.state
-        elapsed = time.perf_counter() - window["start"]
-        return {
-            "step": state.global_step,
-            "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
-            "loss": window["loss"] / max(window["targets"], 1),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm,
-            "tokens_per_second": window["tokens"] / elapsed if elapsed > 0 else None,
-        }
 
     def _trim_metrics_after(self, step: int) -> None:
         """On resume, forget metric lines of steps that will be trained again."""
@@ -540,6 +580,9 @@ class Recipe:
             "best_metric": state.best_metric,
             "best_checkpoint": state.best_checkpoint,
             "stopped_early": stopped_early,
+            "peak_gpu_memory_mib": _peak_gpu_memory_mib(),
+            "preprocess_seconds": self.preprocess["seconds"],
+            "preprocess_cached": self.preprocess["cached"],
         }
         save_final_model(accelerator, self.model, self.tokenizer, final_dir, model_card(config, summary))
         if self.publisher is not None:

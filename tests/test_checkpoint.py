@@ -53,7 +53,7 @@ def start(config: Path, *flags: str, **env) -> subprocess.Popen:
 def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     path, deadline = output_dir / "metrics.jsonl", time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if path.exists() and sum(1 for _ in path.open()) >= step:
+        if path.exists() and sum('"loss"' in line for line in path.open()) >= step:
             return
         time.sleep(0.01)
     raise AssertionError(f"run ended or stalled before step {step}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -112,3 +113,10 @@ def test_defaults_and_derived_values():
     assert parse_config({"model_name": "m", "dataset": "d", "final_model_dir": "/abs/final"}).final_model_path().as_posix() == "/abs/final"
     assert cfg.ddp_find_unused_parameters is None  # decided at run time: true under DDP
     assert cfg.fingerprint() == parse_config(cfg.model_dump()).fingerprint()
+
+
+@pytest.mark.parametrize("example", sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_examples_are_valid(example):
+    config = load_config(example)
+    assert config.model_name and config.dataset

@@ -140,3 +140,18 @@ def test_fallback_template_for_tokenizers_without_one(tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ada"}]
     example = tokenize_example(messages, bare, 64, train_on_inputs=False)
     assert trained_text(example, bare).startswith("ada<|im_end|>")
+
+
+def test_length_grouped_sampler_is_a_shuffle_sorted_within_windows():
+    from praisonai_accel.data import LengthGroupedSampler
+
+    lengths = [(i * 37) % 50 + 1 for i in range(100)]
+    sampler = LengthGroupedSampler(lengths, window=16, seed=3)
+    order = list(sampler)
+    assert sorted(order) == list(range(100)) and len(sampler) == 100
+    for start in range(0, 100, 16):
+        window = [lengths[i] for i in order[start:start + 16]]
+        assert window == sorted(window, reverse=True)
+    assert list(sampler) == order  # deterministic for a seed and epoch
+    sampler.set_epoch(1)
+    assert list(sampler) != order

@@ -24,12 +24,15 @@ def assert_single_clean_adapter(output_dir):
 
 
 def test_one_process_without_launcher_loss_decreases(tmp_path, tiny_model, alpaca_file):
-    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=40, learning_rate=1e-2, logging_steps=5)
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=40, learning_rate=1e-2, logging_steps=5,
+                          eval_steps=5, eval_dataset=[{"name": str(alpaca_file), "num_samples": 32}])
     result = cli("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "out")
-    assert [m["step"] for m in metrics] == list(range(5, 41, 5))
-    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.2, metrics
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(5, 41, 5))
+    evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
+    assert len(evals) == 8 and evals[-1] < evals[0] - 0.15, evals  # the same held-out set, scored each time
+    assert all(0 <= m["padding_fraction"] < 0.5 for m in metrics if "loss" in m)
     summary = read_summary(tmp_path / "out")
     assert summary["num_processes"] == 1 and summary["global_step"] == 40
     assert_single_clean_adapter(tmp_path / "out")
@@ -70,7 +73,8 @@ def test_accelerate_launch_directly(tmp_path, tiny_model, alpaca_file):
     assert read_summary(tmp_path / "out")["num_processes"] == 2
 
 
-def test_two_by_b_equals_one_by_2b_equals_b_with_accumulation(tmp_path, tiny_model, alpaca_file):
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_two_by_b_equals_one_by_2b_equals_b_with_accumulation(tmp_path, tiny_model, alpaca_file, group_by_length):
     """Token-normalised loss: the same samples per optimizer step give the same update, however split."""
     variants = {
         "2xB": (["--cpu", "--num-processes", "2"], {"per_device_train_batch_size": 2}),
@@ -81,7 +85,8 @@ def test_two_by_b_equals_one_by_2b_equals_b_with_accumulation(tmp_path, tiny_mod
     for name, (flags, overrides) in variants.items():
         directory = tmp_path / name
         directory.mkdir()
-        config = write_config(directory, tiny_model, alpaca_file, max_steps=5, learning_rate=1e-2, **overrides)
+        config = write_config(directory, tiny_model, alpaca_file, max_steps=5, learning_rate=1e-2,
+                              group_by_length=group_by_length, group_by_length_window=16, **overrides)
         result = cli("train", str(config), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
         adapters[name] = load_adapter(directory / "out" / "lora_model")
@@ -92,6 +97,9 @@ def test_two_by_b_equals_one_by_2b_equals_b_with_accumulation(tmp_path, tiny_mod
         for key, value in reference.items():
             diff = (value.double() - adapter[key].double()).abs().max().item()
             assert diff <= 1e-5, f"{name} {key}: {diff}"
+    if group_by_length:
+        padding = [m["padding_fraction"] for m in read_metrics(tmp_path / "2xB" / "out")]
+        assert max(padding) < 0.2  # windows sorted by length: little padding even at batch 2
     lora_b = [k for k in reference if "lora_B" in k]
     assert lora_b and any(reference[k].abs().max() > 0 for k in lora_b)  # training really moved the adapter
 

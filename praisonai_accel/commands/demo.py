@@ -28,7 +28,7 @@ def demo_command(
     if not data.exists():
         write_jsonl(demo_records(512), data)
     raw = demo_config(model_dir.resolve(), data.resolve(), (directory / "outputs").resolve(), max_steps=steps,
-                      learning_rate=1e-2, logging_steps=10)
+                      learning_rate=1e-2, logging_steps=10, val_split_ratio=0.1, eval_steps=max(steps // 4, 1))
     config_path = directory / "config.yaml"
     config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)
@@ -37,6 +37,8 @@ def demo_command(
     summary_path = directory / "outputs" / "train_summary.json"
     if code == 0 and summary_path.exists():
         summary = json.loads(summary_path.read_text())
-        typer.echo(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {summary['global_step']} steps "
-                   f"on {summary['num_processes']} processes; adapter in {summary['final_model_dir']}")
+        metrics = [json.loads(line) for line in (directory / "outputs" / "metrics.jsonl").read_text().splitlines()]
+        evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
+        typer.echo(f"eval loss {evals[0]:.3f} -> {evals[-1]:.3f} over {summary['global_step']} steps on "
+                   f"{summary['num_processes']} processes; adapter in {summary['final_model_dir']}")
     raise typer.Exit(code)

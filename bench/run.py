@@ -1,0 +1,285 @@
+"""praisonai-accel vs a plain TRL SFTTrainer run, side by side, on this machine's CPUs.
+
+    python bench/run.py [--steps 30] [--repeats 2] [--processes 1 2] [--out bench/results]
+
+Same model (a 4-layer Llama built locally), same data, same steps, batch, LoRA and process count;
+runs alternate A B A B and every number quoted is a median. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from praisonai_accel.accelerate_config import build_accelerate_config, write_yaml_atomic  # noqa: E402
+from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
+from praisonai_accel.launch import free_port  # noqa: E402
+
+TARGETS = {"step_time_ratio": 0.9, "padding_fraction": 0.05, "help_seconds": 0.5, "cached_preprocess_ratio": 0.10}
+WARMUP_STEPS = 3  # the first steps include lazy initialisation; left out of step-time medians
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class PeakRss:
+    """Polls the process tree under `pid`; keeps each training worker's peak resident memory."""
+
+    def __init__(self, pid: int, marker: str):
+        import psutil
+
+        self.root, self.marker, self.peaks, self._stop = psutil.Process(pid), marker, {}, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                for proc in [self.root] + self.root.children(recursive=True):
+                    try:
+                        if self.marker in " ".join(proc.cmdline()):
+                            self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), proc.memory_info().rss)
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        pass
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.1)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self.thread.join()
+        return max(self.peaks.values()) / 2**20 if self.peaks else None
+
+
+def run_command(command: list[str], marker: str, env: dict) -> tuple[float, float | None, str]:
+    started = time.time()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rss = PeakRss(proc.pid, marker)
+    output, _ = proc.communicate()
+    peak = rss.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{command[:4]}... failed ({proc.returncode}):\n{output[-3000:]}")
+    return started, peak, output
+
+
+def cpu_env() -> dict:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# ---------------------------------------------------------------- the two contenders
+
+def ours(work: Path, model: Path, data: Path, processes: int, args, name: str, **overrides) -> dict:
+    out = work / name
+    settings = dict(max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=2e-4,
+                    max_seq_length=256, lora_r=16, lora_alpha=32, logging_steps=1, group_by_length=True)
+    config = demo_config(model, data, out, **{**settings, **overrides})
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "praisonai_accel", "train", str(path)]
+    if processes > 1:
+        command += ["--cpu", "--num-processes", str(processes)]
+    started, peak, _ = run_command(command, "praisonai_accel.train", cpu_env())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r.get("time", started) >= started]  # a resumed run keeps earlier lines
+    steps = [r for r in records if "loss" in r]
+    saves = [r for r in records if "checkpoint" in r]
+    summary = json.loads((out / "train_summary.json").read_text())
+    first = min(r["time"] - r["step_seconds"] for r in steps)  # when the first step (of this launch) began
+    return {
+        "step_seconds": median([r["step_seconds"] for r in steps[WARMUP_STEPS:]]),
+        "tokens_per_second": median([r["tokens_per_second"] for r in steps[WARMUP_STEPS:]]),
+        "padding_fraction": 1 - sum(r["tokens"] for r in steps) / sum(r["positions"] for r in steps),
+        "to_first_step_seconds": first - started,
+        "peak_rss_mib": peak,
+        "save_seconds": median([s["save_seconds"] for s in saves]),
+        "checkpoint_mib": _size_mib(out / saves[-1]["checkpoint"]) if saves else None,
+        "preprocess_seconds": summary["preprocess_seconds"],
+        "preprocess_cached": summary["preprocess_cached"],
+        "output_dir": str(out),
+    }
+
+
+def trl(work: Path, model: Path, data: Path, processes: int, args, name: str, save_steps: int = 0,
+        resume: bool = False, steps: int | None = None) -> dict:
+    out = work / name
+    script = [str(REPO / "bench" / "trl_baseline.py"), "--model", str(model), "--data", str(data), "--out", str(out),
+              "--steps", str(steps or args.steps), "--batch", str(args.batch), "--save-steps", str(save_steps)]
+    if resume:
+        script.append("--resume")
+    accel = work / f"accelerate_{processes}.yaml"
+    write_yaml_atomic(build_accelerate_config(processes, "no"), accel)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel),
+               "--main_process_port", str(free_port())] + script
+    started, peak, _ = run_command(command, "trl_baseline.py", cpu_env())
+    rank_logs = sorted(out.glob("bench_steps.rank*.jsonl"))
+    rank0 = [r for r in map(json.loads, rank_logs[0].read_text().splitlines()) if r.get("time", started) >= started]
+    times = [r["time"] for r in rank0 if "step" in r]
+    step_seconds = [b - a for a, b in zip(times, times[1:])]
+    counts = [r for log in rank_logs for r in map(json.loads, log.read_text().splitlines())
+              if "tokens" in r and r["time"] >= started]
+    tokens, positions = sum(c["tokens"] for c in counts), sum(c["positions"] for c in counts)
+    per_step_tokens = tokens / max(len(counts) / processes, 1)
+    step_times = step_seconds[WARMUP_STEPS - 1:]
+    saves = [r for r in rank0 if "saved" in r]
+    save_seconds = None
+    if saves:
+        step_end = {r["step"]: r["time"] for r in rank0 if "step" in r}
+        save_seconds = median([s["time"] - step_end[s["saved"]] for s in saves if s["saved"] in step_end])
+    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    first_step_start = times[0] - (median(step_times) or 0)
+    return {
+        "step_seconds": median(step_times),
+        "tokens_per_second": per_step_tokens / median(step_times) if step_times else None,
+        "padding_fraction": 1 - tokens / max(positions, 1),
+        "to_first_step_seconds": first_step_start - started,
+        "peak_rss_mib": peak,
+        "save_seconds": save_seconds,
+        "checkpoint_mib": _size_mib(checkpoints[-1]) if checkpoints else None,
+        "output_dir": str(out),
+    }
+
+
+def _size_mib(path: Path) -> float:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 2**20
+
+
+def help_seconds(repeats: int = 7) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "praisonai_accel", "--help"], capture_output=True, check=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- scenarios
+
+def throughput(work, model, data, args) -> dict:
+    results = {}
+    for processes in args.processes:
+        runs = {"praisonai-accel": [], "trl": []}
+        for rep in range(args.repeats):  # A B A B: drift on a noisy machine hits both alike
+            runs["praisonai-accel"].append(ours(work, model, data, processes, args, f"ours_p{processes}_{rep}"))
+            runs["trl"].append(trl(work, model, data, processes, args, f"trl_p{processes}_{rep}"))
+        results[processes] = {name: {k: median([r[k] for r in rs]) for k in rs[0] if k != "output_dir" and not isinstance(rs[0][k], bool)}
+                              for name, rs in runs.items()}
+        a, b = results[processes]["praisonai-accel"], results[processes]["trl"]
+        results[processes]["step_time_ratio"] = a["step_seconds"] / b["step_seconds"]
+        results[processes]["tokens_per_second_ratio"] = a["tokens_per_second"] / b["tokens_per_second"]
+    return results
+
+
+def checkpoint_and_resume(work, model, data, args) -> dict:
+    """Save every 10 steps to step 20, then resume to 30: save time, size, command-to-first-resumed-step."""
+    processes = max(args.processes)
+    first_ours = ours(work, model, data, processes, args, "ckpt_ours", save_steps=10, max_steps=20)
+    resumed_ours = ours(work, model, data, processes, args, "ckpt_ours", save_steps=10, max_steps=30)
+    first_trl = trl(work, model, data, processes, args, "ckpt_trl", save_steps=10, steps=20)
+    resumed_trl = trl(work, model, data, processes, args, "ckpt_trl", save_steps=10, steps=30, resume=True)
+    return {
+        "processes": processes,
+        "praisonai-accel": {"save_seconds": first_ours["save_seconds"], "checkpoint_mib": first_ours["checkpoint_mib"],
+                            "resume_to_first_step_seconds": resumed_ours["to_first_step_seconds"],
+                            "fresh_to_first_step_seconds": first_ours["to_first_step_seconds"],
+                            "preprocess_first_seconds": first_ours["preprocess_seconds"],
+                            "preprocess_cached_seconds": resumed_ours["preprocess_seconds"],
+                            "cache_hit": resumed_ours["preprocess_cached"]},
+        "trl": {"save_seconds": first_trl["save_seconds"], "checkpoint_mib": first_trl["checkpoint_mib"],
+                "resume_to_first_step_seconds": resumed_trl["to_first_step_seconds"],
+                "fresh_to_first_step_seconds": first_trl["to_first_step_seconds"]},
+    }
+
+
+def report(results: dict) -> str:
+    def fmt(value, unit=""):
+        return "n/a" if value is None else (f"{value:.3g}{unit}" if isinstance(value, float) else f"{value}{unit}")
+
+    lines = ["| processes | metric | praisonai-accel | TRL SFTTrainer | ratio |", "|---|---|---|---|---|"]
+    for processes, row in results["throughput"].items():
+        a, b = row["praisonai-accel"], row["trl"]
+        for key, unit in [("step_seconds", " s"), ("tokens_per_second", ""), ("to_first_step_seconds", " s"),
+                          ("peak_rss_mib", " MiB"), ("padding_fraction", "")]:
+            ratio = a[key] / b[key] if a.get(key) and b.get(key) else None
+            lines.append(f"| {processes} | {key} | {fmt(a.get(key), unit)} | {fmt(b.get(key), unit)} | {fmt(ratio)} |")
+    ck = results["checkpoint"]
+    for key, unit in [("save_seconds", " s"), ("checkpoint_mib", " MiB"), ("fresh_to_first_step_seconds", " s"),
+                      ("resume_to_first_step_seconds", " s")]:
+        a, b = ck["praisonai-accel"].get(key), ck["trl"].get(key)
+        lines.append(f"| {ck['processes']} | {key} | {fmt(a, unit)} | {fmt(b, unit)} | {fmt(a / b if a and b else None)} |")
+    ours_ck = ck["praisonai-accel"]
+    lines += ["", f"preprocessing: first run {fmt(ours_ck['preprocess_first_seconds'], ' s')}, cached "
+              f"{fmt(ours_ck['preprocess_cached_seconds'], ' s')} (cache hit: {ours_ck['cache_hit']})",
+              f"praisonai-accel --help: {fmt(results['help_seconds'], ' s')}", "", "targets:"]
+    lines += [f"- {name}: {'PASS' if ok else 'FAIL'} ({detail})" for name, (ok, detail) in results["targets"].items()]
+    return "\n".join(lines)
+
+
+def check_targets(results: dict) -> dict:
+    checks = {}
+    for processes, row in results["throughput"].items():
+        ratio = row["step_time_ratio"]
+        checks[f"step time <= {TARGETS['step_time_ratio']} x TRL ({processes} proc)"] = (ratio <= TARGETS["step_time_ratio"], f"{ratio:.3f}")
+        padding = row["praisonai-accel"]["padding_fraction"]
+        checks[f"padding <= {TARGETS['padding_fraction']:.0%} ({processes} proc)"] = (padding <= TARGETS["padding_fraction"], f"{padding:.3%}")
+    checks[f"--help < {TARGETS['help_seconds']} s"] = (results["help_seconds"] < TARGETS["help_seconds"], f"{results['help_seconds']:.3f} s")
+    ck = results["checkpoint"]["praisonai-accel"]
+    ratio = ck["preprocess_cached_seconds"] / ck["preprocess_first_seconds"]
+    checks[f"cached preprocessing < {TARGETS['cached_preprocess_ratio']:.0%} of first"] = (
+        ck["cache_hit"] and ratio < TARGETS["cached_preprocess_ratio"], f"{ratio:.3%}")
+    return checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--records", type=int, default=4000, help="training examples")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="praisonai-accel-bench-"))
+    try:
+        model = make_tiny_model(work / "model", hidden_size=256, layers=4)
+        data = write_jsonl(demo_records(args.records, seed=1), work / "data.jsonl")
+        results = {
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "help_seconds": help_seconds(),
+            "throughput": throughput(work, model, data, args),
+            "checkpoint": checkpoint_and_resume(work, model, data, args),
+        }
+        results["targets"] = check_targets(results)
+        print(report(results))
+        args.out.mkdir(parents=True, exist_ok=True)
+        target = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        target.write_text(json.dumps(results, indent=2, default=str))
+        print(f"\nwrote {target}")
+        return 0 if all(ok for ok, _ in results["targets"].values()) else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The baseline a user would write instead: TRL's SFTTrainer + a peft LoRA, launched with accelerate.
+
+    accelerate launch bench/trl_baseline.py --model DIR --data FILE.jsonl --out DIR --steps N ...
+
+Writes <out>/bench_steps.jsonl: one line per optimizer step (rank 0: wall time; every rank:
+real and padded token counts of the batches it was handed), plus checkpoint save times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def alpaca_to_prompt_completion(row: dict) -> dict:
+    prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    return {"prompt": [{"role": "user", "content": prompt}], "completion": [{"role": "assistant", "content": row["output"]}]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+
+    import datasets
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    rank = int(os.environ.get("RANK", 0))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / f"bench_steps.rank{rank}.jsonl"
+    log = open(log_path, "a")
+
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
+    train = datasets.Dataset.from_list([alpaca_to_prompt_completion(r) for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, _args, state, _control, **_kw):
+            log.write(json.dumps({"step": state.global_step, "time": time.time()}) + "\n")
+            log.flush()
+
+        def on_save(self, _args, state, _control, **_kw):
+            log.write(json.dumps({"saved": state.global_step, "time": time.time()}) + "\n")
+            log.flush()
+
+    config = SFTConfig(
+        output_dir=str(out),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accum,
+        learning_rate=args.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to="none",
+        max_length=args.max_length,
+        use_cpu=True,
+        seed=42,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+    )
+    peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_r * 2, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer,
+                         peft_config=peft_config, callbacks=[StepTimes()])
+
+    collate = trainer.data_collator
+
+    def counting_collator(features):
+        batch = collate(features)
+        mask = batch["attention_mask"] if "attention_mask" in batch else (batch["input_ids"] != tokenizer.pad_token_id)
+        log.write(json.dumps({"tokens": int(mask.sum()), "positions": int(mask.numel()), "time": time.time()}) + "\n")
+        return batch
+
+    trainer.data_collator = counting_collator
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    log.close()
+
+
+if __name__ == "__main__":
+    main()

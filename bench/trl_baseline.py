@@ -95,6 +95,11 @@ def main() -> None:
     trainer.data_collator = counting_collator
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     log.close()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # without this a rank can abort at interpreter exit
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

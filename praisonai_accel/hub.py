@@ -27,9 +27,10 @@ def redact(text: str, secret: str | None) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-def _snapshot(folder: Path) -> Path:
-    """Hard-linked copy: costs no space, and outlives the deletion of the original."""
-    staging = Path(tempfile.mkdtemp(prefix="praisonai-accel-push-"))
+def _snapshot(folder: Path, staging_root: Path) -> Path:
+    """Hard-linked copy in output_dir: costs no space, and outlives the original's deletion (rotation)."""
+    staging_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".push-", dir=staging_root))
     target = staging / folder.name
     try:
         shutil.copytree(folder, target, copy_function=os.link)
@@ -85,7 +86,7 @@ class HubPublisher:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-push")
-        snapshot = _snapshot(Path(folder))
+        snapshot = _snapshot(Path(folder), self.config.output_path())
         future = self._executor.submit(self._upload, snapshot, path_in_repo, message, delete_patterns)
         self._futures.append((message, future))
 

@@ -6,7 +6,6 @@ unsloth is used when it is installed and a GPU is present; otherwise transformer
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +60,17 @@ def resolve_torch_dtype(config: TrainConfig, use_cuda: bool, bf16_supported: boo
     return torch.bfloat16 if bf16_supported else torch.float16
 
 
-def lora_target_modules(config: TrainConfig):
-    return "all-linear" if config.lora_target_modules == "all-linear" else list(config.lora_target_modules)
+def lora_settings(config: TrainConfig) -> dict:
+    """The LoRA hyperparameters, as both peft's LoraConfig and unsloth's get_peft_model take them."""
+    targets = config.lora_target_modules
+    return {
+        "r": config.lora_r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": targets if targets == "all-linear" else list(targets),
+        "bias": config.lora_bias,
+        "use_rslora": config.use_rslora,
+    }
 
 
 def load_tokenizer(config: TrainConfig):
@@ -86,17 +94,8 @@ def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unslo
         # unsloth's from_pretrained sets the flag back to "0"; a DDP run needs it at "1" from here on.
         if ensure_unsloth_ddp_flag(env):
             log.info("restored UNSLOTH_USE_NEW_MODEL=1 after unsloth reset it")
-        model = fast.get_peft_model(
-            model,
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=lora_target_modules(config),
-            bias=config.lora_bias,
-            use_gradient_checkpointing=config.use_gradient_checkpointing,
-            random_state=config.seed,
-            use_rslora=config.use_rslora,
-        )
+        model = fast.get_peft_model(model, **lora_settings(config), random_state=config.seed,
+                                    use_gradient_checkpointing=config.use_gradient_checkpointing)
     return model, tokenizer
 
 
@@ -142,16 +141,7 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
     if config.uses_lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=lora_target_modules(config),
-            bias=config.lora_bias,
-            use_rslora=config.use_rslora,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, LoraConfig(**lora_settings(config), task_type="CAUSAL_LM"))
     model.config.use_cache = False
     return model
 
@@ -165,9 +155,7 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
             return _load_with_unsloth(config, env, device_map, backend.module, dtype)
         tokenizer = load_tokenizer(config)
         return _load_with_transformers(config, device_map, dtype), tokenizer
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
+    except (OSError, ValueError) as exc:  # missing files, bad repo ids, unreadable configs
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"model_name: cannot load '{config.model_name}': {first}") from None
 
@@ -177,7 +165,3 @@ def trainable_parameter_count(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
 
-
-def set_seed_env() -> None:
-    # Tokenizers' own thread pool fights with the dataloader's forks.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -89,5 +90,16 @@ def _close_process_group(wait_for_others: bool) -> None:
         dist.destroy_process_group()
 
 
+def _exit(code: int) -> None:
+    """Under DDP, leave without interpreter teardown: gloo's threads can call std::terminate there
+    ("terminate called without an active exception"), turning a finished run into SIGABRT."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

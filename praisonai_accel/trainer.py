@@ -158,7 +158,7 @@ def resume_skip(state: ckpt.CheckpointState, world: int, per_device: int) -> tup
     )
 
 
-def save_final_model(accelerator, model, tokenizer, target: Path, model_card: str | None = None) -> None:
+def save_final_model(accelerator, model, tokenizer, target: Path, card: str | None = None) -> None:
     """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at all."""
     state_dict = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed, so every rank calls it
     if accelerator.is_main_process:
@@ -168,8 +168,8 @@ def save_final_model(accelerator, model, tokenizer, target: Path, model_card: st
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if model_card is not None:
-            (tmp / "README.md").write_text(model_card)
+        if card is not None:
+            (tmp / "README.md").write_text(card)
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         if target.exists():
             os.replace(target, old)
@@ -219,6 +219,7 @@ class Recipe:
         self.env = DistEnv.from_environ()
         self.output_dir = config.output_path()
         self.stop_requested = False
+        self._rng_to_reapply: Path | None = None  # set when resuming mid-epoch, see _epoch_batches
 
     # ------------------------------------------------------------ setup
 
@@ -228,8 +229,9 @@ class Recipe:
 
         config = self.config
         use_cuda = torch.cuda.is_available()
+        bf16 = use_cuda and torch.cuda.is_bf16_supported()
         self.backend = choose_backend(config, self.env, use_cuda)  # imports unsloth, if at all, before transformers
-        self.accelerator = accelerator = self._build_accelerator(use_cuda)
+        self.accelerator = accelerator = self._build_accelerator(use_cuda, bf16)
         _quiet_libraries(accelerator.is_main_process)
         self.resume_from = self._find_resume_point()
         set_seed(config.seed)
@@ -237,7 +239,6 @@ class Recipe:
                  f" ({self.backend.reason})" if self.backend.reason else "", accelerator.num_processes,
                  accelerator.device, accelerator.mixed_precision)
 
-        bf16 = use_cuda and torch.cuda.is_bf16_supported()
         model, self.tokenizer = load_model_and_tokenizer(config, self.env, self.backend, use_cuda, bf16)
         ensure_chat_template(self.tokenizer, config.chat_template)
         trainable, total = trainable_parameter_count(model)
@@ -265,13 +266,12 @@ class Recipe:
         log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d", self.total_steps, self.steps_per_epoch,
                  per_device, accum, world, per_device * accum * world)
 
-    def _build_accelerator(self, use_cuda: bool):
-        import torch
+    def _build_accelerator(self, use_cuda: bool, bf16: bool):
         from accelerate import Accelerator
         from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
 
         config = self.config
-        precision = resolve_mixed_precision(config.mixed_precision, use_cuda, use_cuda and torch.cuda.is_bf16_supported())
+        precision = resolve_mixed_precision(config.mixed_precision, use_cuda, bf16)
         find_unused = config.ddp_find_unused_parameters
         if find_unused is None:
             find_unused = self.env.is_distributed
@@ -302,15 +302,15 @@ class Recipe:
         with accelerator.local_main_process_first():
             train, from_cache = load_or_build(config.dataset, self.tokenizer, config, cache)
             evaluation = load_or_build(config.eval_dataset, self.tokenizer, config, cache)[0] if config.eval_dataset else None
+        self.preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
         log.info("data: %d examples (%s in %.2fs)", len(train), "cached" if from_cache else "tokenized",
-                 time.perf_counter() - started)
+                 self.preprocess["seconds"])
         if config.val_split_ratio > 0:
             split = train.train_test_split(test_size=config.val_split_ratio, seed=config.seed)
             train, evaluation = split["train"], split["test"]
         if evaluation is not None:
             log.info("eval: %d examples", len(evaluation))
             evaluation = evaluation.select_columns(["input_ids", "labels"])
-        self.preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
         return train.select_columns(["input_ids", "labels"]), train["length"], evaluation
 
     def _train_loader(self, dataset, lengths: list[int]):
@@ -386,7 +386,7 @@ class Recipe:
         skip = self.state.batches_in_epoch
         loader = self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
         batches = iter(loader)
-        rng_checkpoint, self._rng_to_reapply = getattr(self, "_rng_to_reapply", None), None
+        rng_checkpoint, self._rng_to_reapply = self._rng_to_reapply, None
         if rng_checkpoint is None:
             return batches
         # Starting the iterator draws from the RNG; the uninterrupted run drew at the epoch's start,

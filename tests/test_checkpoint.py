@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +12,6 @@ import pytest
 import torch
 
 from praisonai_accel import checkpoint as ckpt
-from praisonai_accel.config import ConfigError
 
 from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
 from test_training import _workers_of

@@ -143,3 +143,22 @@ def test_help_does_not_import_torch():
     assert result.stdout.strip() == "False"
     help_run = cli("--help")
     assert help_run.returncode == 0 and "train" in help_run.stdout
+
+
+def test_env_command_reports_versions_devices_and_optional_backends():
+    result = cli("env")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    import torch
+
+    assert f"torch: {torch.__version__.split('+')[0]}" in out or f"torch: {torch.__version__}" in out
+    assert "cuda: no GPU visible" in out and "gloo yes" in out
+    assert "unsloth: not usable (needs a CUDA GPU)" in out or "unsloth: not installed" in out
+    assert "bitsandbytes:" in out
+
+
+def test_demo_command_trains_on_two_cpu_processes(tmp_path):
+    result = cli("demo", "--dir", str(tmp_path / "demo"), "--steps", "8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "over 8 steps on 2 processes" in result.stdout
+    assert (tmp_path / "demo" / "outputs" / "lora_model" / "adapter_model.safetensors").is_file()

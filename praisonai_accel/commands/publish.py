@@ -21,7 +21,7 @@ def ollama_command(
     host: Optional[str] = typer.Option(None, "--host", help="Ollama server (default: $OLLAMA_HOST or localhost:11434)"),
 ) -> None:
     """Write a Modelfile next to the model and create it on the Ollama server."""
-    from ..inference import ModelDirError, resolve_model_dir
+    from ..inference import resolve_model_dir
     from ..ollama_publish import publish
 
     try:

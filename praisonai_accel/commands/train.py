@@ -43,8 +43,9 @@ def train_command(
         fail(f"--accelerate-config: no such file '{accelerate_config}'")
     try:
         world, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
-        use_cuda = not cpu and (gpus is not None or (accelerate_config is None and world > 1))
-        precision = resolve_mixed_precision(cfg.mixed_precision, use_cuda, use_cuda and bf16_supported())
+        # Only a generated multi-GPU accelerate config records the precision; the training module decides anyway.
+        on_gpus = not cpu and world > 1 and accelerate_config is None
+        precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and bf16_supported())
         plan = plan_launch(config, cfg, num_processes=world, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
                            accelerate_config_file=accelerate_config)
     except (LaunchError, ValueError, OSError, yaml.YAMLError) as exc:

@@ -113,6 +113,27 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
     return latest
 
 
+def resume_skip(state: CheckpointState, world: int, per_device: int) -> tuple[int, str | None]:
+    """Micro-batches each rank skips in the resumed epoch, and a warning if the layout changed.
+
+    The sampler's order does not depend on the world size, so the same samples can be skipped
+    as long as they fill whole global batches of the new layout; otherwise refuse.
+    """
+    if state.world_size == world and state.per_device_train_batch_size == per_device:
+        return state.batches_in_epoch, None
+    global_batch = world * per_device
+    if state.samples_in_epoch % global_batch:
+        raise ConfigError(
+            f"resume_from_checkpoint: the checkpoint was taken after {state.samples_in_epoch} samples of epoch "
+            f"{state.epoch} with {state.world_size} process(es) x batch {state.per_device_train_batch_size}; "
+            f"{world} process(es) x batch {per_device} cannot continue at exactly that sample; resume with the original layout"
+        )
+    return state.samples_in_epoch // global_batch, (
+        f"resuming with {world} process(es) x batch {per_device} (checkpoint: {state.world_size} x "
+        f"{state.per_device_train_batch_size}); continuing at sample {state.samples_in_epoch} of epoch {state.epoch}"
+    )
+
+
 def clear_checkpoints(output_dir: Path) -> None:
     for path in checkpoints(output_dir) + list(Path(output_dir).glob("checkpoint-*.tmp")):
         shutil.rmtree(path, ignore_errors=True)

@@ -137,27 +137,6 @@ def improved(metric: float, best: float | None, greater_is_better: bool, thresho
     return metric > best + threshold if greater_is_better else metric < best - threshold
 
 
-def resume_skip(state: ckpt.CheckpointState, world: int, per_device: int) -> tuple[int, str | None]:
-    """Micro-batches each rank skips in the resumed epoch, and a warning if the layout changed.
-
-    The sampler's order does not depend on the world size, so the same samples can be skipped
-    as long as they fill whole global batches of the new layout; otherwise refuse.
-    """
-    if state.world_size == world and state.per_device_train_batch_size == per_device:
-        return state.batches_in_epoch, None
-    global_batch = world * per_device
-    if state.samples_in_epoch % global_batch:
-        raise ConfigError(
-            f"resume_from_checkpoint: the checkpoint was taken after {state.samples_in_epoch} samples of epoch "
-            f"{state.epoch} with {state.world_size} process(es) x batch {state.per_device_train_batch_size}; "
-            f"{world} process(es) x batch {per_device} cannot continue at exactly that sample; resume with the original layout"
-        )
-    return state.samples_in_epoch // global_batch, (
-        f"resuming with {world} process(es) x batch {per_device} (checkpoint: {state.world_size} x "
-        f"{state.per_device_train_batch_size}); continuing at sample {state.samples_in_epoch} of epoch {state.epoch}"
-    )
-
-
 def save_final_model(accelerator, model, tokenizer, target: Path, card: str | None = None) -> None:
     """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at all."""
     state_dict = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed, so every rank calls it
@@ -361,7 +340,7 @@ class Recipe:
         if not ckpt.rng_file_exists(path, accelerator.process_index):
             log.warning("%s has no RNG state for rank %d (it was saved by %d process(es)); that rank starts from its seed",
                         path, accelerator.process_index, saved.world_size)
-        skip, warning = resume_skip(saved, accelerator.num_processes, self.config.per_device_train_batch_size)
+        skip, warning = ckpt.resume_skip(saved, accelerator.num_processes, self.config.per_device_train_batch_size)
         if warning:
             log.warning(warning)
         accelerator.load_state(str(path), strict=False)  # hooks checked that every trainable weight is there

@@ -203,8 +203,13 @@ def test_resume_choices_and_refusals(tmp_path, tiny_model, alpaca_file):
     assert result.returncode == 2 and "already holds checkpoints (checkpoint-4)" in result.stderr
 
     other = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2, lora_r=4)
-    result = cli("train", str(other))
+    result = cli("train", str(other), *TWO)  # refused before any process starts: one line, no launcher traceback
     assert result.returncode == 2 and "holds checkpoints of another run" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+    same = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2)
+    dry = cli("train", str(same), "--dry-run")
+    assert dry.returncode == 0 and f"# start: resume from {out / 'checkpoint-4'}" in dry.stdout
 
     missing = write_config(tmp_path, tiny_model, alpaca_file, resume_from_checkpoint=str(out / "checkpoint-99"))
     result = cli("train", str(missing))

@@ -104,10 +104,16 @@ def test_two_by_b_equals_one_by_2b_equals_b_with_accumulation(tmp_path, tiny_mod
     assert lora_b and any(reference[k].abs().max() > 0 for k in lora_b)  # training really moved the adapter
 
 
-def test_killing_the_launcher_takes_its_workers_down(tmp_path, tiny_model, alpaca_file):
+@pytest.mark.parametrize("launcher", ["praisonai-accel", "accelerate"])
+def test_killing_the_launcher_takes_its_workers_down(tmp_path, tiny_model, alpaca_file, launcher):
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=100000, logging_steps=1)
-    proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu", "--num-processes", "2"],
-                            env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = {
+        "praisonai-accel": [sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu", "--num-processes", "2"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_port", str(free_port()), "-m", "praisonai_accel.train", str(config)],
+    }[launcher]
+    proc = subprocess.Popen(command, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -29,6 +29,22 @@ def check_local_inputs(config) -> None:
             fail(f"dataset[{index}].name: no such file or directory '{spec.name}'")
 
 
+def check_resume(config, num_processes: int) -> str:
+    """Refuse a resume that the training module would refuse, before any process starts; describe the start."""
+    from .. import checkpoint as ckpt
+    from ..config import ConfigError
+
+    try:
+        start = ckpt.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint,
+                                          config.run_fingerprint(), config.overwrite_output_dir)
+        if start is None:
+            return "fresh start"
+        ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes, config.per_device_train_batch_size)
+    except ConfigError as exc:
+        fail(str(exc))
+    return f"resume from {start}"
+
+
 def load_config_or_fail(path: Path):
     from ..config import ConfigError, load_config
 

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 import yaml
 
-from ._common import bf16_supported, check_local_inputs, count_cuda_gpus, fail, load_config_or_fail
+from ._common import bf16_supported, check_local_inputs, check_resume, count_cuda_gpus, fail, load_config_or_fail
 
 
 def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[int], available_gpus) -> tuple[int, Optional[list[int]]]:
@@ -51,6 +51,7 @@ def train_command(
     except (LaunchError, ValueError, OSError, yaml.YAMLError) as exc:
         fail(str(exc).splitlines()[0])
 
+    start = check_resume(cfg, plan.num_processes)
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     effective = f"{per_device} x {accum} x {plan.num_processes} = {per_device * accum * plan.num_processes}"
     if dry_run:
@@ -58,6 +59,7 @@ def train_command(
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
         typer.echo(f"# processes: {plan.num_processes}")
         typer.echo(f"# effective batch (per device x accumulation x processes): {effective}")
+        typer.echo(f"# start: {start}")
         if plan.generated_config:
             typer.echo(f"# accelerate config to write: {plan.accelerate_config_path}")
         typer.echo("# launch command")

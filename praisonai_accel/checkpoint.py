@@ -19,7 +19,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import ConfigError
@@ -43,7 +43,8 @@ class CheckpointState:
     gradient_accumulation_steps: int
     run_fingerprint: str
     config_fingerprint: str
-    history: list = field(default_factory=list)
+    first_loss: float | None = None  # first and latest logged training loss, for the summary and model card
+    last_loss: float | None = None
     best_metric: float | None = None
     best_checkpoint: str | None = None
     evals_without_improvement: int = 0

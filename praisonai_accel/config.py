@@ -161,6 +161,8 @@ class TrainConfig(_Strict):
             self.save_strategy = "steps" if self.save_steps else "no"
         if self.save_strategy == "steps" and not self.save_steps:
             raise ValueError("save_steps: required when save_strategy is 'steps'")
+        if self.eval_dataset and self.val_split_ratio > 0:
+            raise ValueError("val_split_ratio: use either val_split_ratio or eval_dataset, not both")
         has_eval_data = bool(self.eval_dataset) or self.val_split_ratio > 0
         if self.eval_steps and not has_eval_data:
             raise ValueError("eval_steps: evaluation needs eval_dataset or val_split_ratio")
@@ -230,7 +232,7 @@ def _key_path(loc: tuple) -> str:
 
 def _known_keys(loc: tuple) -> list[str]:
     model: type[BaseModel] = TrainConfig
-    if loc and loc[0] in ("dataset",):
+    if loc and loc[0] in ("dataset", "eval_dataset"):
         model = DatasetSpec
     return list(model.model_fields)
 
@@ -266,6 +268,15 @@ def _describe(errors: list[dict]) -> str:
     return f"{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
 
 
+def _dataset_list(value: Any) -> Any:
+    """A single dataset, or a bare name, stands for a list of one; old key names inside are renamed."""
+    items = [value] if isinstance(value, (dict, str)) else value
+    if not isinstance(items, list):
+        return value  # let validation name the type error
+    return [{"name": d} if isinstance(d, str) else ({KEY_ALIASES.get(k, k): v for k, v in d.items()} if isinstance(d, dict) else d)
+            for d in items]
+
+
 def parse_config(data: Any, source: str = "config") -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
@@ -273,13 +284,9 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
     if secret is not None:
         raise ConfigError(f"{source}: {secret}: tokens never go in config files; set HF_TOKEN in the environment")
     data = {KEY_ALIASES.get(k, k): v for k, v in data.items()}
-    if isinstance(data.get("dataset"), (dict, str)):
-        data["dataset"] = [data["dataset"]]
-    if isinstance(data.get("dataset"), list):
-        data["dataset"] = [
-            {"name": d} if isinstance(d, str) else ({KEY_ALIASES.get(k, k): v for k, v in d.items()} if isinstance(d, dict) else d)
-            for d in data["dataset"]
-        ]
+    for key in ("dataset", "eval_dataset"):
+        if key in data:
+            data[key] = _dataset_list(data[key])
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:

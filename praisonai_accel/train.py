@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         _close_process_group(wait_for_others=False)
         return 2
+    except KeyboardInterrupt:
+        if env.rank == 0:
+            print("praisonai-accel: interrupted; re-run the same command to resume from the last checkpoint", file=sys.stderr)
+        return 130
     except Preempted as stop:
         if env.rank == 0:
             print(f"praisonai-accel: {stop}; re-run the same command to resume", file=sys.stderr)

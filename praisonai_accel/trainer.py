@@ -512,7 +512,8 @@ class Recipe:
                     if state.global_step % config.logging_steps == 0 or last:
                         record = window.record(state, self.scheduler.get_last_lr()[0], step.grad_norm, batches_per_epoch)
                         metrics.log(record)
-                        state.history.append(record)
+                        state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
+                        state.last_loss = record["loss"]
                         window = Window()
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         eval_loss = self.evaluate()
@@ -549,13 +550,12 @@ class Recipe:
                 accelerator.load_state(str(best), strict=False)
                 log.info("loaded best checkpoint %s (%s %.4f)", best.name, config.metric_for_best_model, state.best_metric)
         final_dir = config.final_model_path()
-        history = state.history
         summary = {
             "global_step": state.global_step,
             "num_processes": accelerator.num_processes,
             "final_model_dir": str(final_dir),
-            "first_loss": history[0]["loss"] if history else None,
-            "final_loss": history[-1]["loss"] if history else None,
+            "first_loss": state.first_loss,
+            "final_loss": state.last_loss,
             "best_metric": state.best_metric,
             "best_checkpoint": state.best_checkpoint,
             "stopped_early": stopped_early,

@@ -46,6 +46,8 @@ BAD_CONFIGS = [
     ({"eval_strategy": "epoch"}, "eval_strategy: 'epoch' needs eval_dataset or val_split_ratio"),
     ({"val_split_ratio": 0.1, "load_best_model_at_end": True}, "load_best_model_at_end: needs save_strategy and eval_strategy"),
     ({"resume_from_checkpoint": 3}, "resume_from_checkpoint: expected true or false or a string"),
+    ({"eval_dataset": [{"name": "e.jsonl", "splt": "test"}]}, "unknown key 'eval_dataset[0].splt' (did you mean 'split'?)"),
+    ({"eval_dataset": "e.jsonl", "val_split_ratio": 0.1}, "val_split_ratio: use either val_split_ratio or eval_dataset"),
 ]
 
 

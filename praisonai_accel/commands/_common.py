@@ -24,9 +24,10 @@ def check_local_inputs(config) -> None:
     """Catch missing local model/data paths before any process is started."""
     if looks_local(config.model_name) and not Path(config.model_name).expanduser().exists():
         fail(f"model_name: no such directory '{config.model_name}'")
-    for index, spec in enumerate(config.dataset):
-        if looks_local(spec.name) and not Path(spec.name).expanduser().exists():
-            fail(f"dataset[{index}].name: no such file or directory '{spec.name}'")
+    for key in ("dataset", "eval_dataset"):
+        for index, spec in enumerate(getattr(config, key) or []):
+            if looks_local(spec.name) and not Path(spec.name).expanduser().exists():
+                fail(f"{key}[{index}].name: no such file or directory '{spec.name}'")
 
 
 def check_resume(config, num_processes: int) -> str:

@@ -98,7 +98,7 @@ class HubPublisher:
             info = self.api.upload_folder(
                 repo_id=self.repo_id, folder_path=str(snapshot), path_in_repo=path_in_repo or None,
                 commit_message=message, ignore_patterns=CHECKPOINT_IGNORE,
-                delete_patterns=[f"{path_in_repo}/{p}" if path_in_repo else p for p in delete_patterns] if delete_patterns else None,
+                delete_patterns=delete_patterns,  # matched relative to path_in_repo by huggingface_hub
             )
             return str(getattr(info, "commit_url", info))
         finally:

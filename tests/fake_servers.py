@@ -68,7 +68,10 @@ class _Server:
 
 class _HubHandler(_Handler):
     def do_GET(self):
-        self.server.owner.record(method="GET", path=self.path, auth=self.headers.get("authorization"))
+        hub: FakeHub = self.server.owner
+        hub.record(method="GET", path=self.path, auth=self.headers.get("authorization"))
+        if "/tree/" in self.path:  # list_repo_files, used by upload_folder(delete_patterns=...)
+            return self._json(200, [{"type": "file", "path": p, "oid": "0" * 40, "size": n} for p, n in sorted(hub.files.items())])
         self._json(404, {"error": "not found"})
 
     def do_POST(self):
@@ -95,6 +98,9 @@ class _HubHandler(_Handler):
             deletes = [l["value"]["path"] for l in lines if l["key"] in ("deletedFile", "deletedFolder")]
             repo = self.path.split("/api/models/")[1].split("/commit/")[0]
             hub.record(kind="commit", repo=repo, summary=header["summary"], files=files, deletes=deletes, auth=auth, agent=agent)
+            for path in deletes:
+                hub.files.pop(path, None)
+            hub.files.update({path: len(content) for path, content in files.items()})
             oid = hashlib.sha1(body).hexdigest()
             return self._json(200, {"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid, "success": True})
         self._json(404, {"error": f"no route {self.path}"})
@@ -105,6 +111,7 @@ class FakeHub(_Server):
 
     def __init__(self, reject_with: int | None = None):
         self.reject_with = reject_with
+        self.files: dict[str, int] = {}  # the repo as the commits left it: path -> size
         super().__init__()
 
     def of_kind(self, kind: str) -> list[dict]:

@@ -103,6 +103,24 @@ def test_all_checkpoints_strategy_pushes_each_checkpoint_in_order(tmp_path, tiny
     # checkpoint-2 was rotated away locally right after it was saved, yet was pushed whole.
     assert "checkpoint-2/COMPLETE" in commits[0]["files"] and "checkpoint-2/optimizer.bin" in commits[0]["files"]
     assert not (tmp_path / "out" / "checkpoint-2").exists()
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".push-")]  # snapshots cleaned up
+
+
+def test_checkpoint_strategy_keeps_one_last_checkpoint_folder(tmp_path, tiny_model, alpaca_file):
+    with FakeHub() as hub:
+        hub.files["last-checkpoint/stale-from-an-older-run.bin"] = 1
+        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2, push_to_hub=True,
+                              hub_model_id="me/x", hub_strategy="checkpoint")
+        result = cli("train", str(config), *TWO, env=hub_env(hub))
+        assert result.returncode == 0, result.stderr[-3000:]
+        commits, files = hub.of_kind("commit"), hub.files
+    assert [c["summary"] for c in commits] == ["Checkpoint checkpoint-2", "Checkpoint checkpoint-4", "End of training"]
+    # last-checkpoint/ is replaced whole: what the new checkpoint lacks is deleted, the rest overwritten
+    assert commits[0]["deletes"] == ["last-checkpoint/stale-from-an-older-run.bin"]
+    state = json.loads(commits[1]["files"]["last-checkpoint/praisonai_state.json"])
+    assert state["global_step"] == 4
+    assert "adapter_model.safetensors" in files and "last-checkpoint/COMPLETE" in files
+    assert not any("stale" in path for path in files)
 
 
 @pytest.mark.parametrize("strategy,expected", [
@@ -122,7 +140,7 @@ def test_hub_strategy_decides_what_each_save_pushes(tmp_path, monkeypatch, strat
             calls.append(("create", repo_id, private))
 
         def upload_folder(self, repo_id, folder_path, path_in_repo, commit_message, ignore_patterns, delete_patterns):
-            calls.append((Path(folder_path).name, path_in_repo or "", sorted(p.name for p in Path(folder_path).iterdir())))
+            calls.append((Path(folder_path).name, path_in_repo or "", delete_patterns))
 
     checkpoint = tmp_path / "checkpoint-6"
     (checkpoint / "adapter").mkdir(parents=True)
@@ -133,6 +151,9 @@ def test_hub_strategy_decides_what_each_save_pushes(tmp_path, monkeypatch, strat
     assert publisher.wait() == []
     uploads = [(name, where) for name, where, *_ in calls if name != "create"]
     assert uploads == expected
+    # last-checkpoint/ is replaced whole: stale files of an older checkpoint go (patterns are relative to it)
+    assert [c[2] for c in calls if c[0] != "create"] == (
+        [["*"]] if strategy == "checkpoint" else [None] * len(expected))
     assert all(p.exists() for p in checkpoint.rglob("*"))  # pushing never touches the local folder
 
 

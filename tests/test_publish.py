@@ -132,7 +132,7 @@ def test_checkpoint_strategy_keeps_one_last_checkpoint_folder(tmp_path, tiny_mod
 def test_hub_strategy_decides_what_each_save_pushes(tmp_path, monkeypatch, strategy, expected):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     config = parse_config({"model_name": "m", "dataset": "d", "push_to_hub": True, "hub_model_id": "me/x",
-                           "hub_strategy": strategy})
+                           "hub_strategy": strategy, "output_dir": str(tmp_path / "out")})
     calls = []
 
     class Api:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .config import DatasetSpec, TrainConfig
+from .errors import first_line
 
 IGNORE_INDEX = -100
 PREPROCESS_VERSION = "1"  # bump when tokenisation changes, to invalidate caches
@@ -69,7 +70,7 @@ def load_raw(spec: DatasetSpec):
     except FileNotFoundError as exc:
         raise DataError(f"dataset {spec.name}: not found ({exc})") from None
     except Exception as exc:  # datasets raises many unrelated types for unreadable input
-        raise DataError(f"dataset {spec.name}: could not be loaded: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+        raise DataError(f"dataset {spec.name}: could not be loaded: {type(exc).__name__}: {first_line(exc, '')}") from None
     if spec.num_samples is not None:
         data = data.select(range(min(spec.num_samples, len(data))))
     return data
@@ -216,7 +217,7 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig):
         except DataError:
             raise
         except Exception as exc:
-            raise DataError(f"dataset {spec.name}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+            raise DataError(f"dataset {spec.name}: {type(exc).__name__}: {first_line(exc, '')}") from None
         parts.append(encoded)
     data = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     trained = data.map(lambda ex: {"num_target_tokens": sum(1 for x in ex["labels"][1:] if x != IGNORE_INDEX),

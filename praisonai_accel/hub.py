@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import TrainConfig
+from .errors import first_line
 
 log = logging.getLogger("praisonai_accel")
 
@@ -115,8 +116,8 @@ class HubPublisher:
                 url = future.result()
                 log.info("pushed to https://huggingface.co/%s (%s): %s", self.repo_id, message, url)
             except Exception as exc:  # network, 401/403, 404...: report, never raise past training
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                self.errors.append(redact(f"push to {self.repo_id} failed ({message}): {type(exc).__name__}: {first}", self.token))
+                self.errors.append(redact(f"push to {self.repo_id} failed ({message}): {type(exc).__name__}: {first_line(exc)}",
+                                          self.token))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         return self.errors

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger("praisonai_accel")
+_NOT_SHOWN = ("step", "time", "tokens", "positions")
 
 
 def write_json_atomic(data: dict, path: Path) -> None:
@@ -51,29 +52,25 @@ class MetricsLogger:
         return self
 
     def log(self, record: dict) -> None:
+        """A training step record; also moves the progress bar."""
+        if self.enabled and self._progress is not None:
+            self._progress.update(self._task, completed=record["step"], loss=f"loss {record['loss']:.4f}")
+        self._write(record)
+
+    def log_event(self, record: dict) -> None:
+        """An eval result or a checkpoint."""
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
+        """One line in metrics.jsonl, and a readable line on the console (bookkeeping keys left out)."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         line = f"step {record['step']}/{self.total_steps} " + " ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in record.items() if k not in ("step", "time", "tokens", "positions") and v is not None
+            for k, v in record.items() if k not in _NOT_SHOWN and v is not None
         )
-        if self._progress is not None:
-            self._progress.update(self._task, completed=record["step"], loss=f"loss {record['loss']:.4f}")
-            self._progress.console.print(line)
-        else:
-            log.info(line)
-
-    def log_event(self, record: dict) -> None:
-        """An eval result or a checkpoint: written to metrics.jsonl, printed without the timestamp."""
-        if not self.enabled:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-                         if k not in ("step", "time"))
-        line = f"step {record['step']}/{self.total_steps} {shown}"
         (self._progress.console.print if self._progress is not None else log.info)(line)
 
     def __exit__(self, *exc) -> None:

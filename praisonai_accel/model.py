@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError, TrainConfig
+from .errors import first_line
 from .distributed import DistEnv, ensure_unsloth_ddp_flag, mark_unsloth_ddp, resolve_device_map
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def import_unsloth() -> tuple[Any, str]:
 
         return sys.modules["unsloth"], ""
     except Exception as exc:  # NotImplementedError, RuntimeError, ImportError...: all mean "not usable"
-        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return None, f"{type(exc).__name__}: {first_line(exc, '')}"
 
 
 def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend:
@@ -156,7 +157,7 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
         tokenizer = load_tokenizer(config)
         return _load_with_transformers(config, device_map, dtype), tokenizer
     except (OSError, ValueError) as exc:  # missing files, bad repo ids, unreadable configs
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ConfigError(f"model_name: cannot load '{config.model_name}': {first}") from None
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from .config import ConfigError, load_config
 from .data import DataError
 from .distributed import DistEnv, die_with_parent
+from .errors import first_line
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as if the signal had ended us, but with a checkpoint on disk
 PUBLISH_FAILED_EXIT_CODE = 4  # trained and saved, but a push or an Ollama create failed
@@ -75,8 +76,7 @@ def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
             modelfile = publish(final_dir, config.ollama_model, ollama_base=config.ollama_base, push=config.ollama_push)
             print(f"praisonai-accel: created Ollama model {config.ollama_model} (Modelfile: {modelfile})", file=sys.stderr)
         except Exception as exc:  # server down, refused, missing base files: report, keep the model
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            problems.append(f"ollama: could not create {config.ollama_model}: {type(exc).__name__}: {first}")
+            problems.append(f"ollama: could not create {config.ollama_model}: {type(exc).__name__}: {first_line(exc, '')}")
     return problems
 
 

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import first_line
 from ._common import fail
 
 
@@ -17,7 +18,7 @@ def _load(path: Path):
     try:
         return load_for_inference(path)
     except (ModelDirError, OSError, ValueError) as exc:
-        fail(str(exc).splitlines()[0])
+        fail(first_line(exc))
 
 
 def chat_command(

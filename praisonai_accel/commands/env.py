@@ -8,6 +8,8 @@ import platform
 
 import typer
 
+from ..errors import first_line
+
 PACKAGES = ["praisonai-accel", "torch", "transformers", "accelerate", "peft", "trl", "datasets", "huggingface_hub",
             "unsloth", "bitsandbytes"]
 
@@ -26,7 +28,7 @@ def _usable(module: str) -> str:
         importlib.import_module(module)
         return "usable"
     except Exception as exc:  # unsloth raises NotImplementedError and friends without a GPU
-        return f"not usable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return f"not usable ({type(exc).__name__}: {first_line(exc, '')})"
 
 
 def env_command() -> None:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import first_line
 from ._common import fail
 
 
@@ -23,5 +24,5 @@ def merge_command(
         target = to or adapter.with_name(adapter.name + "-merged")
         merge_adapter(adapter, target, force=force)
     except (ModelDirError, OSError) as exc:
-        fail(str(exc).splitlines()[0])
+        fail(first_line(exc))
     typer.echo(f"merged {adapter} into {target}")

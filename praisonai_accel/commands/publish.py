@@ -21,6 +21,7 @@ def ollama_command(
     host: Optional[str] = typer.Option(None, "--host", help="Ollama server (default: $OLLAMA_HOST or localhost:11434)"),
 ) -> None:
     """Write a Modelfile next to the model and create it on the Ollama server."""
+    from ..errors import first_line
     from ..inference import resolve_model_dir
     from ..ollama_publish import publish
 
@@ -28,5 +29,5 @@ def ollama_command(
         model_dir = resolve_model_dir(path)
         modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host)
     except Exception as exc:  # connection refused, server errors, missing files: one line, never a traceback
-        fail(f"ollama: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
+        fail(f"ollama: {type(exc).__name__}: {first_line(exc, '')}".rstrip(": "))
     typer.echo(f"created Ollama model {name} (Modelfile: {modelfile})")

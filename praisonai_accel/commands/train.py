@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 import yaml
 
+from ..errors import first_line
 from ._common import bf16_supported, check_local_inputs, check_resume, count_cuda_gpus, fail, load_config_or_fail
 
 
@@ -49,7 +50,7 @@ def train_command(
         plan = plan_launch(config, cfg, num_processes=world, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
                            accelerate_config_file=accelerate_config)
     except (LaunchError, ValueError, OSError, yaml.YAMLError) as exc:
-        fail(str(exc).splitlines()[0])
+        fail(first_line(exc))
 
     start = check_resume(cfg, plan.num_processes)
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps

@@ -1,0 +1,9 @@
+"""Turning exceptions into the one-line messages users see. Standard library only: the CLI imports it for --help."""
+
+from __future__ import annotations
+
+
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first non-empty line of an exception's message, for one-line errors (the type name if it has none)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else (type(exc).__name__ if default is None else default)

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# GPU benchmark: tokens/s and peak GPU memory of a ~0.5B-parameter LoRA run on one GPU,
-# with unsloth and without it (transformers + peft).
+# GPU benchmark, one command: a random-weight ~0.5B model with Llama 3's 128,256-token vocabulary, bf16 LoRA,
+# 2048-token rows, 1 process. praisonai-accel plain and packed, the TRL SFTTrainer baseline on the same model,
+# data and batch, QLoRA if bitsandbytes imports, unsloth if it imports. Prints tokens/s, peak GPU memory and MFU.
 #
-#   bash bench/gpu.sh                 # builds a random-weight 0.5B Llama locally (no network needed)
-#   MODEL=/path/to/Qwen2.5-0.5B bash bench/gpu.sh   # or any local / cached model
-#   STEPS=40 BATCH=8 SEQ=512 bash bench/gpu.sh
+#   bash bench/gpu.sh                     # no network needed: the model and data are built here
+#   STEPS=20 BATCH=4 SEQ=2048 bash bench/gpu.sh
+#   WHEELS=.whl bash bench/gpu.sh         # first pip-install the wheels in .whl (datasets, trl, pydantic, ...)
 #
-# unsloth is measured only if it imports; install it with: pip install 'praisonai-accel[unsloth]'
+# MFU = tokens/s x 6 x parameters / peak bf16 FLOP/s (PEAK_TFLOPS, default 989 for an H100/H200, dense).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-40} BATCH=${BATCH:-8} SEQ=${SEQ:-512}
+STEPS=${STEPS:-20} BATCH=${BATCH:-4} SEQ=${SEQ:-2048} PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 WORK=${WORK:-$(mktemp -d -t praisonai-accel-gpu-XXXX)}
-export WORK STEPS BATCH SEQ MODEL="${MODEL:-}" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+export WORK STEPS BATCH SEQ PEAK_TFLOPS HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 python3 - <<'PY'
 import json, os, random, sys
@@ -22,56 +27,78 @@ import yaml
 
 if not torch.cuda.is_available():
     sys.exit("bench/gpu.sh: no CUDA GPU visible; run it on a GPU machine")
-from praisonai_accel.demo import make_tiny_model, write_jsonl
+from praisonai_accel.demo import _NAMES, make_tiny_model, write_jsonl
+from transformers import AutoConfig, AutoModelForCausalLM
 
 work = Path(os.environ["WORK"])
-model = os.environ.get("MODEL")
-if not model:
-    # ~0.5B parameters: Qwen2.5-0.5B-like shapes with a Llama architecture, random weights.
-    model = str(make_tiny_model(work / "model-0.5b", hidden_size=896, layers=24))
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    cfg.update(intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-               vocab_size=max(cfg["vocab_size"], 32000))
-    (Path(model) / "config.json").write_text(json.dumps(cfg))
-    from transformers import AutoConfig, AutoModelForCausalLM
+model = work / "model-0.5b"
+if not (model / "config.json").exists():
+    make_tiny_model(model, hidden_size=64, layers=1)  # for its tokenizer; the weights are replaced below
+    cfg = AutoConfig.from_pretrained(model)
+    cfg.update(dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, max_position_embeddings=8192, vocab_size=128256, tie_word_embeddings=True))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).to(torch.bfloat16).save_pretrained(model)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(model)
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    (work / "params.json").write_text(json.dumps({"parameters": n}))
 rng = random.Random(0)
-words = ["ada", "bob", "cy", "dee", "eve", "fay", "gus", "hal", "ivy", "jo"]
-records = []
-for _ in range(4000):
-    text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 180)))
-    records.append({"instruction": "repeat the words", "input": text, "output": text})
+words = lambda k: " ".join(rng.choice(_NAMES) for _ in range(k))
+records = [{"instruction": "repeat the last words", "input": words(rng.randint(200, 900)), "output": words(rng.randint(20, 200))}
+           for _ in range(2000)]
 data = write_jsonl(records, work / "data.jsonl")
-for backend in ("transformers", "unsloth"):
-    config = {
-        "model_name": model, "max_seq_length": int(os.environ["SEQ"]), "dataset": [{"name": str(data), "format": "alpaca"}],
-        "finetune_type": "lora", "lora_r": 16, "lora_alpha": 32, "per_device_train_batch_size": int(os.environ["BATCH"]),
-        "max_steps": int(os.environ["STEPS"]), "learning_rate": 2e-4, "logging_steps": 1, "group_by_length": True,
-        "use_unsloth": backend == "unsloth", "use_gradient_checkpointing": True, "output_dir": str(work / backend),
-    }
-    (work / f"{backend}.yaml").write_text(yaml.safe_dump(config))
+base = {"model_name": str(model), "max_seq_length": int(os.environ["SEQ"]), "dataset": [{"name": str(data), "format": "alpaca"}],
+        "lora_r": 16, "lora_alpha": 32, "per_device_train_batch_size": int(os.environ["BATCH"]),
+        "max_steps": int(os.environ["STEPS"]), "learning_rate": 2e-4, "logging_steps": 1, "use_unsloth": False}
+runs = {"lora": {}, "lora-packed": {"packing": True}, "qlora": {"finetune_type": "qlora"},
+        "unsloth": {"use_unsloth": True, "use_gradient_checkpointing": "unsloth"}}
+for name, extra in runs.items():
+    (work / f"{name}.yaml").write_text(yaml.safe_dump({**base, **extra, "output_dir": str(work / name)}))
 PY
 
 summarise() {
-  python3 - "$1" <<'PY'
-import json, statistics, sys
+  python3 - "$1" "$2" <<'PY'
+import json, os, statistics, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+name, out = sys.argv[1], Path(sys.argv[2])
 steps = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][3:]
 summary = json.loads((out / "train_summary.json").read_text())
-print(json.dumps({"backend": summary["backend"],
-                  "tokens_per_second": statistics.median(s["tokens_per_second"] for s in steps),
+params = json.loads((Path(os.environ["WORK"]) / "params.json").read_text())["parameters"]
+tps = statistics.median(s["tokens_per_second"] for s in steps)
+print(json.dumps({"run": name, "backend": summary["backend"], "tokens_per_second": round(tps),
                   "step_seconds": statistics.median(s["step_seconds"] for s in steps),
-                  "padding_fraction": statistics.median(s["padding_fraction"] for s in steps),
-                  "peak_gpu_memory_mib": summary.get("peak_gpu_memory_mib")}))
+                  "peak_gpu_memory_mib": summary.get("peak_gpu_memory_mib"),
+                  "mfu": round(tps * 6 * params / (float(os.environ["PEAK_TFLOPS"]) * 1e12), 4)}))
 PY
 }
 
-python3 -m praisonai_accel train "$WORK/transformers.yaml" && summarise "$WORK/transformers" | tee "$WORK/result-transformers.json"
-if python3 -c "import unsloth" >/dev/null 2>&1; then
-  python3 -m praisonai_accel train "$WORK/unsloth.yaml" && summarise "$WORK/unsloth" | tee "$WORK/result-unsloth.json"
+for name in lora lora-packed; do
+  python3 -m praisonai_accel preprocess "$WORK/$name.yaml" >/dev/null
+  python3 -m praisonai_accel train "$WORK/$name.yaml" && summarise "$name" "$WORK/$name" | tee -a "$WORK/results.jsonl"
+done
+if python3 -c "import bitsandbytes" >/dev/null 2>&1; then
+  python3 -m praisonai_accel train "$WORK/qlora.yaml" && summarise qlora "$WORK/qlora" | tee -a "$WORK/results.jsonl"
 else
-  echo "unsloth does not import here; measured transformers + peft only"
+  echo "bitsandbytes does not import here; no QLoRA run"
 fi
-echo "results in $WORK"
+if python3 -c "import unsloth" >/dev/null 2>&1; then
+  UNSLOTH_TRACE=1 python3 -m praisonai_accel train "$WORK/unsloth.yaml" && summarise unsloth "$WORK/unsloth" | tee -a "$WORK/results.jsonl"
+else
+  echo "unsloth does not import here; no unsloth run"
+fi
+if python3 -c "import trl" >/dev/null 2>&1; then
+  python3 -m accelerate.commands.launch --num_processes 1 --mixed_precision bf16 bench/trl_baseline.py \
+    --model "$WORK/model-0.5b" --data "$WORK/data.jsonl" --out "$WORK/trl" --steps "$STEPS" --batch "$BATCH" \
+    --max-length "$SEQ" --gpu && python3 - "$WORK/trl" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+rows = [json.loads(l) for l in (Path(sys.argv[1]) / "bench_steps.rank0.jsonl").read_text().splitlines()]
+times = [r["time"] for r in rows if "step" in r]
+tokens = [r["tokens"] for r in rows if "tokens" in r]
+step = statistics.median(b - a for a, b in zip(times[3:], times[4:]))
+print(json.dumps({"run": "trl", "tokens_per_second": round(statistics.median(tokens) / step), "step_seconds": step,
+                  "peak_gpu_memory_mib": rows[-1].get("peak_gpu_memory_mib")}))
+PY
+else
+  echo "trl does not import here; no TRL baseline"
+fi
+echo "results in $WORK/results.jsonl"

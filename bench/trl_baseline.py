@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="bf16 on the GPU instead of fp32 on CPU processes")
     args = parser.parse_args()
 
     import datasets
@@ -73,7 +74,8 @@ def main() -> None:
         save_steps=args.save_steps or 500,
         report_to="none",
         max_length=args.max_length,
-        use_cpu=True,
+        use_cpu=not args.gpu,
+        bf16=args.gpu,
         seed=42,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
@@ -94,6 +96,10 @@ def main() -> None:
 
     trainer.data_collator = counting_collator
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    import torch
+
+    if torch.cuda.is_available():
+        log.write(json.dumps({"peak_gpu_memory_mib": torch.cuda.max_memory_allocated() / 2**20, "time": time.time()}) + "\n")
     log.close()
     import torch.distributed as dist
 

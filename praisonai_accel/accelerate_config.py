@@ -12,28 +12,51 @@ from pathlib import Path
 import yaml
 
 
-def build_accelerate_config(num_processes: int, mixed_precision: str = "no", gpu_ids: str = "all") -> dict:
-    """Single-machine config: one process per GPU under DDP, or one plain process.
+FSDP2_CONFIG = {
+    "fsdp_version": 2,
+    "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's own _no_split_modules (decoder layers)
+    "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False,
+    "fsdp_cpu_ram_efficient_loading": False,
+    "fsdp_state_dict_type": "SHARDED_STATE_DICT",  # checkpoints: each rank writes its shard
+    "fsdp_activation_checkpointing": False,
+}
 
-    On a machine without GPUs a MULTI_GPU config still gives real DDP over gloo, whereas
-    `distributed_type: MULTI_CPU` / `--cpu` silently starts a single process.
+
+def build_accelerate_config(num_processes: int, mixed_precision: str = "no", gpu_ids: str = "all", *,
+                            num_machines: int = 1, machine_rank: int = 0, main_process_ip: str | None = None,
+                            main_process_port: int | None = None, rdzv_backend: str = "static",
+                            fsdp: bool = False) -> dict:
+    """One machine's launch config: one process per GPU under DDP (or FSDP2), or one plain process.
+
+    `num_processes` counts every process on every machine, as accelerate's files do. On a machine
+    without GPUs a MULTI_GPU config still gives real DDP over gloo, whereas `distributed_type:
+    MULTI_CPU` / `--cpu` silently starts a single process.
     """
-    return {
+    distributed = "FSDP" if fsdp else ("MULTI_GPU" if num_processes > 1 else "NO")
+    config = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
-        "distributed_type": "MULTI_GPU" if num_processes > 1 else "NO",
+        "distributed_type": distributed,
         "downcast_bf16": "no",
         "enable_cpu_affinity": False,
         "gpu_ids": gpu_ids,
-        "machine_rank": 0,
+        "machine_rank": machine_rank,
         "main_training_function": "main",
         "mixed_precision": mixed_precision,
-        "num_machines": 1,
+        "num_machines": num_machines,
         "num_processes": num_processes,
-        "rdzv_backend": "static",
-        "same_network": True,
+        "rdzv_backend": rdzv_backend,
+        # static: torchrun's MASTER_ADDR/PORT; c10d: a rendezvous endpoint that assigns ranks
+        "same_network": rdzv_backend == "static",
         "use_cpu": False,
     }
+    if num_machines > 1:
+        config["main_process_ip"] = main_process_ip
+        config["main_process_port"] = main_process_port
+    if fsdp:
+        config["fsdp_config"] = dict(FSDP2_CONFIG)
+    return config
 
 
 def write_yaml_atomic(data: dict, path: Path) -> Path:

@@ -148,13 +148,14 @@ def remove_stale_temporaries(output_dir: Path) -> None:
 
 
 def rotate(output_dir: Path, limit: int | None, keep: str | None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond `limit`, never the best one; returns what was deleted."""
+    """Delete the oldest complete checkpoints beyond `limit`, never the newest nor the best one (so a limit of 1
+    keeps two when the best is older than the newest, as transformers does); returns what was deleted."""
     if not limit:
         return []
     complete = complete_checkpoints(output_dir)
-    protected = {Path(keep).name} if keep else set()
+    protected = {p.name for p in complete[-1:]} | ({Path(keep).name} if keep else set())
     removable = [p for p in complete if p.name not in protected]
-    excess = len(complete) - limit
+    excess = len(complete) - max(limit, len(protected))
     deleted = removable[: max(excess, 0)]
     for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
@@ -169,7 +170,7 @@ def install_trainable_only_hooks(accelerator) -> None:
     """Make save_state/load_state carry only trainable weights: without this they copy the frozen base model too."""
 
     def keep_trainable(models, weights, _output_dir):
-        for index, model in enumerate(models):
+        for index, model in enumerate(models[: len(weights)]):  # FSDP saves its own way and passes no weights
             names = trainable_weight_names(model)
             weights[index] = {k: v for k, v in weights[index].items() if k in names}
 
@@ -178,6 +179,8 @@ def install_trainable_only_hooks(accelerator) -> None:
 
         for index, model in enumerate(models):
             file = Path(input_dir) / ("model.safetensors" if index == 0 else f"model_{index}.safetensors")
+            if not file.is_file():  # FSDP's sharded state, checked by FSDP itself
+                continue
             with safe_open(str(file), framework="pt") as handle:
                 missing = trainable_weight_names(model) - set(handle.keys())
             if missing:
@@ -185,6 +188,15 @@ def install_trainable_only_hooks(accelerator) -> None:
 
     accelerator.register_save_state_pre_hook(keep_trainable)
     accelerator.register_load_state_pre_hook(check_complete)
+
+
+def trained_model_and_state(accelerator, model):
+    """The model being trained inside the prepared loss module, and its full state dict (gathered under FSDP,
+    so every rank must call this)."""
+    prefix = "causal_lm."
+    state_dict = accelerator.get_state_dict(model)
+    state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)} if state_dict else state_dict
+    return accelerator.unwrap_model(model).causal_lm, state_dict
 
 
 def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, state: CheckpointState, uses_lora: bool,
@@ -197,9 +209,11 @@ def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, state: Chec
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))  # rank 0: weights/optimizer/scheduler; each rank: its own RNG file
-    if uses_lora and accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(tmp / "adapter")
-        tokenizer.save_pretrained(tmp / "adapter")
+    if uses_lora:
+        causal_lm, state_dict = trained_model_and_state(accelerator, model)
+        if accelerator.is_main_process:
+            causal_lm.save_pretrained(tmp / "adapter", state_dict=state_dict)
+            tokenizer.save_pretrained(tmp / "adapter")
     accelerator.wait_for_everyone()
     if fault_hook is not None:
         fault_hook(state.global_step)

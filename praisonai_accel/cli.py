@@ -9,17 +9,25 @@ from .commands.config import config_command
 from .commands.demo import demo_command
 from .commands.env import env_command
 from .commands.merge import merge_command
+from .commands.preprocess import preprocess_command
+from .commands.preview import preview_command
 from .commands.publish import publish_app
+from .commands.report import report_command
+from .commands.slurm import slurm_command
 from .commands.train import train_command
 
 app = typer.Typer(
     name="praisonai-accel",
-    help="Fine-tune LLMs (LoRA, QLoRA, full) from one YAML file, on one GPU or every GPU of a machine.",
+    help="Fine-tune LLMs (LoRA, QLoRA, full) from one YAML file, on one GPU, every GPU of a machine, or several machines.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 app.command("train")(train_command)
+app.command("preview")(preview_command)
+app.command("preprocess")(preprocess_command)
+app.command("report")(report_command)
+app.command("slurm")(slurm_command)
 app.command("config")(config_command)
 app.command("env")(env_command)
 app.command("demo")(demo_command)

@@ -15,6 +15,9 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# Local data files by extension, and the datasets loader that reads them (checked by the CLI before launch).
+LOCAL_DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MULTI_DEVICE_MAPS = {"auto", "balanced", "balanced_low_0", "sequential"}
 
@@ -31,6 +34,7 @@ RESUMABLE_KEYS = {
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
     "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "mixed_precision", "output_dir",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
+    "report_to", "run_name", "use_liger", "chunked_loss",
 }
 
 
@@ -71,6 +75,8 @@ class TrainConfig(_Strict):
     dataset_num_proc: int | None = Field(default=None, gt=0)
     group_by_length: bool = False  # batch samples of similar length: far less padding, same sequence for any layout
     group_by_length_window: int = Field(default=256, gt=0)
+    truncation: Literal["keep_response", "right"] = "keep_response"
+    packing: bool = False
 
     # fine-tune method
     finetune_type: Literal["lora", "qlora", "full"] = "lora"
@@ -102,11 +108,16 @@ class TrainConfig(_Strict):
     seed: int = 3407
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     ddp_find_unused_parameters: bool | None = None
+    chunked_loss: bool = True  # LM head + cross-entropy at target positions only, in chunks; false: the model's full logits
+    use_liger: Union[bool, Literal["auto"]] = "auto"  # liger-kernel's fused linear cross-entropy, on a GPU
 
     # outputs
     output_dir: str = "outputs"
     final_model_dir: str = "lora_model"
     logging_steps: int = Field(default=1, gt=0)
+    report_to: Union[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"],
+                     list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = "none"
+    run_name: str | None = None
 
     # checkpoints and resume
     save_strategy: Literal["no", "steps", "epoch"] | None = None  # default: "steps" if save_steps is set, else "no"
@@ -154,7 +165,15 @@ class TrainConfig(_Strict):
             raise ValueError("hub_model_id: required when push_to_hub is true (e.g. your-name/my-model)")
         if self.ollama_push and not self.ollama_model:
             raise ValueError("ollama_push: needs ollama_model (name:tag)")
+        if self.packing and self.group_by_length:
+            raise ValueError("packing: rows are already full; turn group_by_length off when packing")
         return self
+
+    @property
+    def trackers(self) -> list[str]:
+        if self.report_to == "none":
+            return []
+        return [self.report_to] if isinstance(self.report_to, str) else list(dict.fromkeys(self.report_to))
 
     def _check_save_and_eval(self) -> None:
         if self.save_strategy is None:
@@ -293,12 +312,37 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
         raise ConfigError(f"{source}: {_describe(exc.errors())}") from None
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, first: int, second: int):
+        super().__init__(f"key '{key}' is written twice (lines {first} and {second}); keep one")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key written twice in one mapping, instead of silently keeping the last value."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(str(key), seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path):
+    return yaml.load(Path(path).read_text(), Loader=_StrictLoader)
+
+
 def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

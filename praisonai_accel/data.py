@@ -1,8 +1,9 @@
-"""Datasets → chat messages → token ids with the prompt masked out of the loss.
+"""Datasets → chat messages → token ids with only the model's own output trained.
 
-Every supported format is first turned into a list of {role, content} messages (or plain text),
-rendered with the tokenizer's chat template, and labelled by character span: tokens that fall
-inside an assistant reply are trained, everything else gets -100.
+Every supported format is first turned into a conversation (messages, plus a per-row tool list) or
+plain text. Conversations are labelled by `chat_masking`; long ones are shortened from the prompt
+side so the response survives (`truncation: keep_response`). Tokenisation runs once and is cached
+with per-dataset statistics, so every run, cached or not, says what was truncated and dropped.
 """
 
 from __future__ import annotations
@@ -12,21 +13,28 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .config import DatasetSpec, TrainConfig
+from .chat_masking import (
+    IGNORE_INDEX, MaskingPlan, MaskingReport, check_masking, content_text, encode_conversation, plan_masking,
+)
+from .config import LOCAL_DATA_LOADERS, DatasetSpec, TrainConfig
 from .errors import first_line
+from .tokenized import TokenizedDataset
 
-IGNORE_INDEX = -100
-PREPROCESS_VERSION = "1"  # bump when tokenisation changes, to invalidate caches
+PREPROCESS_VERSION = "2"  # bump when tokenisation changes, to invalidate caches
+MASKING_SAMPLE = 32  # examples per dataset checked against the masking guarantee
+DROP_WARNING_FRACTION = 0.05
 
-LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 ROLE_NAMES = {
     "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "bot": "assistant", "model": "assistant",
+    "gpt": "assistant", "assistant": "assistant", "bot": "assistant", "model": "assistant", "function_call": "assistant",
     "system": "system",
+    "tool": "tool", "observation": "tool", "function": "tool", "ipython": "tool",
 }
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "thinking", "reasoning")
 # Used only when the tokenizer ships no chat template (base models); saved with the tokenizer.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -37,7 +45,7 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '### Response:\n' }}{% endif %}"
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("praisonai_accel")
 
 
 class DataError(Exception):
@@ -57,9 +65,9 @@ def load_raw(spec: DatasetSpec):
     path = _local_path(spec)
     try:
         if path is not None and path.is_file():
-            loader = LOCAL_LOADERS.get(path.suffix.lower())
+            loader = LOCAL_DATA_LOADERS.get(path.suffix.lower())
             if loader is None:
-                raise DataError(f"dataset {spec.name}: unsupported file type '{path.suffix}' (use {', '.join(LOCAL_LOADERS)})")
+                raise DataError(f"dataset {spec.name}: unsupported file type '{path.suffix}' (use {', '.join(LOCAL_DATA_LOADERS)})")
             data = datasets.load_dataset(loader, data_files=str(path), split="train")
         elif path is not None:
             data = datasets.load_dataset(str(path), data_files=spec.data_files, split=spec.split)
@@ -93,10 +101,37 @@ def detect_format(columns: Iterable[str], spec: DatasetSpec) -> str:
     )
 
 
-# ---------------------------------------------------------------- example → messages
+# ---------------------------------------------------------------- row → conversation
 
-def to_messages(example: dict, fmt: str, spec: DatasetSpec) -> list[dict] | str:
-    """One row as chat messages, or as plain text for format: text."""
+@dataclass
+class Conversation:
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+def _tools_of(example: dict) -> list[dict] | None:
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools) if tools.strip() else None
+    return list(tools) if tools else None
+
+
+def _sharegpt_turn(turn: dict) -> dict:
+    raw_role = str(turn.get("from", turn.get("role"))).lower()
+    content = turn.get("value", turn.get("content", ""))
+    message = {"role": ROLE_NAMES.get(raw_role, "user"), "content": content if isinstance(content, (str, list)) else str(content)}
+    if raw_role == "function_call":  # LLaMA-Factory's sharegpt: the call as JSON in the value
+        try:
+            call = json.loads(message["content"])
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}]}
+        except (ValueError, KeyError, TypeError):
+            pass
+    return message
+
+
+def to_conversation(example: dict, fmt: str, spec: DatasetSpec) -> Conversation | str:
+    """One row as a conversation, or as plain text for format: text."""
     if fmt == "text":
         return str(example[spec.text_field])
     if fmt == "alpaca":
@@ -105,64 +140,93 @@ def to_messages(example: dict, fmt: str, spec: DatasetSpec) -> list[dict] | str:
             prompt += "\n\n" + str(example["input"])
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(example["output"])}]
     elif fmt == "sharegpt":
-        messages = [
-            {"role": ROLE_NAMES.get(str(turn.get("from", turn.get("role"))).lower(), "user"),
-             "content": str(turn.get("value", turn.get("content", "")))}
-            for turn in example["conversations"]
-        ]
+        messages = [_sharegpt_turn(turn) for turn in example["conversations"]]
     else:
-        messages = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in example["messages"]]
+        messages = [{k: m[k] for k in MESSAGE_KEYS if m.get(k) is not None} for m in example["messages"]]
+        for message in messages:
+            message["role"] = ROLE_NAMES.get(str(message["role"]).lower(), str(message["role"]))
     if spec.system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": spec.system_prompt})
-    return messages
+    return Conversation(messages, _tools_of(example))
 
 
-def assistant_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of each assistant reply (end-of-turn included)."""
-    render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
-    text = render(messages)
-    spans, cursor = [], 0
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt, through = render(messages[:index], True), render(messages[: index + 1])
-        if through.startswith(prompt) and text.startswith(through):
-            # The turn separator after the end-of-turn token (often "\n") belongs to no one.
-            spans.append((len(prompt), len(through.rstrip())))
-            cursor = len(through)
-            continue
-        # Templates that rewrite earlier turns: fall back to finding the reply text itself.
-        start = text.find(message["content"], cursor)
-        if start < 0:
-            continue
-        end = start + len(message["content"])
-        eos = tokenizer.eos_token or ""
-        if eos and text.startswith(eos, end):
-            end += len(eos)
-        spans.append((start, end))
-        cursor = end
-    return text, spans
+# ---------------------------------------------------------------- conversation → tokens
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool = False
+    dropped: bool = False
 
 
-def tokenize_example(item: list[dict] | str, tokenizer, max_seq_length: int, train_on_inputs: bool) -> dict:
-    if isinstance(item, str):
-        ids = tokenizer(item, add_special_tokens=True)["input_ids"]
-        if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
-            ids = ids + [tokenizer.eos_token_id]
-        ids = ids[:max_seq_length]
-        return {"input_ids": ids, "labels": list(ids)}
-    text, spans = assistant_spans(item, tokenizer)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"][:max_seq_length]
-    offsets = encoded["offset_mapping"][: len(ids)]
-    if train_on_inputs:
-        labels = list(ids)
-    else:
-        labels = [
-            token if any(s <= start < e for s, e in spans) else IGNORE_INDEX
-            for token, (start, _end) in zip(ids, offsets)
-        ]
-    return {"input_ids": ids, "labels": labels}
+def encode_text(text: str, tokenizer, max_seq_length: int) -> Encoded:
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids = ids + [tokenizer.eos_token_id]
+    return Encoded(ids[:max_seq_length], list(ids[:max_seq_length]), truncated=len(ids) > max_seq_length)
+
+
+def encode_chat(conversation: Conversation, tokenizer, plan: MaskingPlan, max_seq_length: int,
+                train_on_inputs: bool = False, truncation: str = "keep_response") -> Encoded:
+    """Tokens and labels of a conversation that fits in max_seq_length.
+
+    keep_response: a conversation that is too long loses its oldest turns first, then the start of the
+    last user turn, never the response (the turns after the last user message). It is dropped only
+    when even the response alone does not fit. right: cut at max_seq_length.
+    """
+    messages = plan.prepare(conversation.messages)
+
+    def encode(msgs: list[dict]) -> tuple[list[int], list[int]]:
+        return encode_conversation(tokenizer, plan, msgs, conversation.tools, train_on_inputs)
+
+    ids, labels = encode(messages)
+    if len(ids) <= max_seq_length:
+        return Encoded(ids, labels)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if truncation == "right" or not users:
+        return Encoded(ids[:max_seq_length], labels[:max_seq_length], truncated=True)
+    last_user = users[-1]
+    head = [m for m in messages[:last_user] if m["role"] == "system"]
+    history = [m for m in messages[:last_user] if m["role"] != "system"]
+    response = messages[last_user + 1:]
+    while history:  # the oldest exchange first: a user turn and what answered it
+        cut = next((i for i, m in enumerate(history) if i > 0 and m["role"] == "user"), len(history))
+        history = history[cut:]
+        ids, labels = encode(head + history + messages[last_user:])
+        if len(ids) <= max_seq_length:
+            return Encoded(ids, labels, truncated=True)
+    fitted = _cut_user_turn(encode, head, messages[last_user], response, tokenizer, max_seq_length)
+    return Encoded(*fitted, truncated=True) if fitted else Encoded([], [], truncated=True, dropped=True)
+
+
+def _cut_user_turn(encode, head, user: dict, response, tokenizer, max_seq_length: int):
+    """The longest tail of the user turn's text for which the conversation fits (binary search)."""
+    content_ids = tokenizer(content_text(user["content"]), add_special_tokens=False)["input_ids"]
+
+    def attempt(keep: int):
+        text = tokenizer.decode(content_ids[len(content_ids) - keep:]) if keep else ""
+        content = text if isinstance(user["content"], str) else [{"type": "text", "text": text}]
+        ids, labels = encode(head + [{**user, "content": content}] + response)
+        return (ids, labels) if len(ids) <= max_seq_length else None
+
+    best = attempt(0)
+    if best is None:
+        return None
+    low, high = 0, len(content_ids)
+    while low < high:
+        middle = (low + high + 1) // 2
+        fitted = attempt(middle)
+        if fitted is not None:
+            best, low = fitted, middle
+        else:
+            high = middle - 1
+    return best
+
+
+def count_targets(labels) -> int:
+    """Tokens the loss is computed on: every labelled token except the first, which nothing predicts."""
+    return sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
 
 # ---------------------------------------------------------------- the training set
@@ -189,63 +253,169 @@ def cache_key(specs: list[DatasetSpec], tokenizer, config: TrainConfig) -> str:
     identity = {
         "version": PREPROCESS_VERSION,
         "sources": [_source_identity(s) for s in specs],
-        "tokenizer": [vocab_digest, tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token],
+        "tokenizer": [vocab_digest, tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token,
+                      tokenizer.bos_token],
         "max_seq_length": config.max_seq_length,
         "train_on_inputs": config.train_on_inputs,
+        "truncation": config.truncation,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+@dataclass
+class DatasetStats:
+    """What preprocessing did to one dataset; saved with the cache so every run can report it."""
+
+    name: str
+    rows: int = 0
+    examples: int = 0  # kept
+    truncated: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    masking: str = ""
+    masking_problems: str = ""
+
+    def line(self) -> str:
+        return (f"{self.name}: {self.examples} of {self.rows} examples, {self.truncated} truncated, "
+                f"{self.dropped} dropped")
+
+
+@dataclass
+class DataStats:
+    datasets: list[DatasetStats] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps([asdict(d) for d in self.datasets], indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "DataStats":
+        return cls([DatasetStats(**d) for d in json.loads(path.read_text())]) if path.exists() else cls()
+
+    def warnings(self) -> list[str]:
+        lines = []
+        for d in self.datasets:
+            if d.rows and d.dropped / d.rows > DROP_WARNING_FRACTION:
+                lines.append(f"dataset {d.name}: {d.dropped} of {d.rows} examples ({d.dropped / d.rows:.0%}) dropped: "
+                             "even their response does not fit in max_seq_length; raise max_seq_length to keep them")
+            if d.masking_problems:
+                lines.append(f"dataset {d.name}: chat template {d.masking}: {d.masking_problems}")
+        return lines
+
+
+def _encoder(tokenizer, plan: MaskingPlan, config: TrainConfig, spec: DatasetSpec, fmt: str):
+    def encode(example: dict) -> Encoded:
+        try:
+            item = to_conversation(example, fmt, spec)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"dataset {spec.name}: a row does not fit format '{fmt}' (missing {exc})") from None
+        if isinstance(item, str):
+            return encode_text(item, tokenizer, config.max_seq_length)
+        try:
+            return encode_chat(item, tokenizer, plan, config.max_seq_length, config.train_on_inputs, config.truncation)
+        except DataError:
+            raise
+        except Exception as exc:  # jinja2 TemplateError and friends: the template rejects this conversation
+            raise DataError(f"dataset {spec.name}: the chat template ({plan.name}) cannot render a row: "
+                            f"{type(exc).__name__}: {first_line(exc, '')}") from None
+    return encode
+
+
+def _check_sample(raw, fmt: str, spec: DatasetSpec, tokenizer, plan: MaskingPlan, config: TrainConfig) -> str:
+    """The masking guarantee, checked on the first examples of a dataset; '' when it holds."""
+    if fmt == "text" or config.train_on_inputs:
+        return ""
+    report = MaskingReport()
+    for example in raw.select(range(min(MASKING_SAMPLE, len(raw)))):
+        conversation = to_conversation(example, fmt, spec)
+        messages = plan.prepare(conversation.messages)
+        encoded = encode_chat(conversation, tokenizer, plan, config.max_seq_length, False, config.truncation)
+        if not encoded.truncated:
+            check_masking(tokenizer, plan, messages, conversation.tools, encoded.labels, encoded.input_ids, report)
+    return report.summary()
+
+
 def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig):
+    """The tokenized examples of every dataset, concatenated, and what happened to each dataset."""
     import datasets
 
-    parts = []
-    for spec in specs:
+    plan = plan_masking(tokenizer)
+    parts, stats = [], DataStats()
+    for index, spec in enumerate(specs):
         raw = load_raw(spec)
         fmt = detect_format(raw.column_names, spec)
+        encode = _encoder(tokenizer, plan, config, spec, fmt)
 
-        def encode(example, _fmt=fmt, _spec=spec):
-            try:
-                item = to_messages(example, _fmt, _spec)
-            except (KeyError, TypeError) as exc:
-                raise DataError(f"dataset {_spec.name}: a row does not fit format '{_fmt}' (missing {exc})") from None
-            return tokenize_example(item, tokenizer, config.max_seq_length, config.train_on_inputs)
+        def row(example, _encode=encode, _index=index):
+            encoded = _encode(example)
+            return {"input_ids": encoded.input_ids, "labels": encoded.labels, "truncated": encoded.truncated,
+                    "num_target_tokens": count_targets(encoded.labels), "length": len(encoded.input_ids),
+                    "source": _index}
 
         try:
-            encoded = raw.map(encode, remove_columns=raw.column_names, num_proc=config.dataset_num_proc,
-                              desc=f"tokenizing {Path(spec.name).name}", load_from_cache_file=False)
+            encoded = raw.map(row, remove_columns=raw.column_names, num_proc=config.dataset_num_proc,
+                              load_from_cache_file=False)
         except DataError:
             raise
         except Exception as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, DataError) else None
+            if cause is not None:
+                raise cause from None
             raise DataError(f"dataset {spec.name}: {type(exc).__name__}: {first_line(exc, '')}") from None
-        parts.append(encoded)
+        kept = encoded.filter(lambda ex: ex["num_target_tokens"] > 0, load_from_cache_file=False)
+        stats.datasets.append(DatasetStats(
+            name=spec.name, rows=len(raw), examples=len(kept), truncated=sum(kept["truncated"]),
+            dropped=len(encoded) - len(kept), tokens=sum(kept["length"]), target_tokens=sum(kept["num_target_tokens"]),
+            masking=f"{plan.name} ({plan.method})",
+            masking_problems="" if fmt == "text" else _check_sample(raw, fmt, spec, tokenizer, plan, config),
+        ))
+        parts.append(kept)
     data = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    trained = data.map(lambda ex: {"num_target_tokens": sum(1 for x in ex["labels"][1:] if x != IGNORE_INDEX),
-                                   "length": len(ex["input_ids"])}, load_from_cache_file=False)
-    kept = trained.filter(lambda ex: ex["num_target_tokens"] > 0, load_from_cache_file=False)
-    if len(kept) == 0:
+    if len(data) == 0:
         raise DataError("dataset: no example has any response token left to train on (check format and max_seq_length)")
-    return kept, len(trained) - len(kept)
+    return TokenizedDataset.from_columns(data["input_ids"], data["labels"], data["truncated"], data["source"]), stats
+
+
+STATS_FILE = "praisonai_stats.json"
 
 
 def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cache_root: Path):
-    """Tokenize once and keep the result on disk; later runs and other ranks load it."""
-    import datasets
+    """Tokenize once and keep the result, with its statistics, on disk; later runs and other ranks load it.
 
+    Returns (TokenizedDataset, stats, from_cache)."""
     target = Path(cache_root) / cache_key(specs, tokenizer, config)
-    if (target / "dataset_info.json").exists():
-        return datasets.load_from_disk(str(target)), True
-    data, dropped = tokenize_dataset(specs, tokenizer, config)
-    if dropped:
-        log.warning("dropped %d example(s) with no response tokens within max_seq_length", dropped)
+    if TokenizedDataset.exists(target) and (target / STATS_FILE).exists():
+        return TokenizedDataset.load(target), DataStats.load(target / STATS_FILE), True
+    data, stats = tokenize_dataset(specs, tokenizer, config)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    data.save_to_disk(str(tmp))
+    data.save(tmp)
+    stats.save(tmp / STATS_FILE)
     if target.exists():
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, target)
-    return datasets.load_from_disk(str(target)), False
+    return TokenizedDataset.load(target), stats, False
+
+
+def cache_dir(config: TrainConfig) -> Path:
+    return config.output_path() / ".cache" / "preprocessed"
+
+
+def load_datasets(config: TrainConfig, tokenizer):
+    """The tokenized training set, its statistics, whether it came from the cache, and the eval set (or None):
+    what training, `preprocess` and `preview` all read, from one cache."""
+    train, stats, cached = load_or_build(config.dataset, tokenizer, config, cache_dir(config))
+    evaluation = load_or_build(config.eval_dataset, tokenizer, config, cache_dir(config))[0] if config.eval_dataset else None
+    return train, stats, cached, evaluation
+
+
+def report_stats(stats: DataStats, cached: bool) -> None:
+    """Every run, cached or not, says what preprocessing kept, cut and dropped, per dataset."""
+    for d in stats.datasets:
+        log.info("data: %s%s", d.line(), " (cached)" if cached else "")
+    for warning in stats.warnings():
+        log.warning("warning: %s", warning)
 
 
 class LengthGroupedSampler:
@@ -275,7 +445,11 @@ class LengthGroupedSampler:
 
 
 class PadCollator:
-    """Right-pads a batch to its longest example; padding never counts toward the loss."""
+    """Right-pads a batch to its longest row; padding never counts toward the loss.
+
+    Packed rows carry position_ids that restart at every example; their padding is given positions
+    of its own, so it forms one more (ignored) sequence and never joins an example.
+    """
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -287,9 +461,17 @@ class PadCollator:
         input_ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
         attention = torch.zeros((len(features), width), dtype=torch.long)
+        packed = "position_ids" in features[0]
+        positions = torch.zeros((len(features), width), dtype=torch.long) if packed else None
         for row, feature in enumerate(features):
             n = len(feature["input_ids"])
             input_ids[row, :n] = torch.as_tensor(feature["input_ids"])
             labels[row, :n] = torch.as_tensor(feature["labels"])
             attention[row, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+            if packed:
+                positions[row, :n] = torch.as_tensor(feature["position_ids"])
+                positions[row, n:] = torch.arange(width - n)
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+        if packed:
+            batch["position_ids"] = positions
+        return batch

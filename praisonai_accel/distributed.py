@@ -15,6 +15,8 @@ from typing import Any, Mapping
 from .config import MULTI_DEVICE_MAPS, ConfigError
 
 UNSLOTH_DDP_FLAG = "UNSLOTH_USE_NEW_MODEL"
+VERBOSE_ENV = "PRAISONAI_ACCEL_VERBOSE"  # train --verbose: libraries' own output is shown
+TTY_ENV = "PRAISONAI_ACCEL_TTY"  # the user's console is a terminal, though a launcher pipes the workers' stderr
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import socket
@@ -14,8 +15,10 @@ from typing import Callable, Sequence
 
 from .accelerate_config import build_accelerate_config, read_accelerate_config, total_processes, write_yaml_atomic
 from .config import TrainConfig
+from .distributed import TTY_ENV, VERBOSE_ENV
 
 TRAIN_MODULE = "praisonai_accel.train"
+
 GENERATED_CONFIG_NAME = "accelerate_config.yaml"
 
 
@@ -71,6 +74,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass
+class Nodes:
+    """Where this machine sits in a multi-node job. static: node_rank + main_addr; c10d: a rendezvous endpoint."""
+
+    count: int = 1
+    rank: int = 0
+    main_addr: str | None = None
+    main_port: int | None = None
+    rdzv_endpoint: str | None = None
+
+    @property
+    def backend(self) -> str:
+        return "c10d" if self.rdzv_endpoint else "static"
+
+    def address(self) -> tuple[str | None, int | None]:
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            return host, int(port)
+        return self.main_addr, self.main_port or DEFAULT_MAIN_PORT
+
+
+DEFAULT_MAIN_PORT = 29500
+
+
 def plan_launch(
     config_path: Path,
     config: TrainConfig,
@@ -82,32 +109,63 @@ def plan_launch(
     accelerate_config_file: Path | None = None,
     port: int | None = None,
     python: str = sys.executable,
+    nodes: Nodes | None = None,
+    max_restarts: int = 0,
+    fsdp: bool = False,
 ) -> LaunchPlan:
+    """`num_processes` is per node; the accelerate config written holds the total over all nodes."""
+    nodes = nodes or Nodes()
     env: dict[str, str] = {}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
     train_args = ["-m", TRAIN_MODULE, str(config_path)]
+    restarts = ["--max_restarts", str(max_restarts)] if max_restarts else []
 
     if accelerate_config_file is not None:
         accel = read_accelerate_config(accelerate_config_file)
-        command = [python, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config_file)]
+        command = [python, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config_file)] + restarts
         if not accel.get("main_process_port") and int(accel.get("num_machines", 1)) == 1:
             command += ["--main_process_port", str(port or free_port())]
         return LaunchPlan(command + train_args, total_processes(accel), env, accel, Path(accelerate_config_file))
 
-    if num_processes == 1:
+    if num_processes == 1 and nodes.count == 1 and not max_restarts and not fsdp:
         return LaunchPlan([python] + train_args, 1, env)
 
-    accel = build_accelerate_config(num_processes, mixed_precision)
-    accel_path = config.output_path() / GENERATED_CONFIG_NAME
-    command = [
-        python, "-m", "accelerate.commands.launch",
-        "--config_file", str(accel_path),
-        "--main_process_port", str(port or free_port()),
-    ]
-    return LaunchPlan(command + train_args, num_processes, env, accel, accel_path, generated_config=True)
+    ip, main_port = nodes.address()
+    if max_restarts:
+        # Restarted workers must not meet the previous attempt's keys: torchrun's static rendezvous, and c10d
+        # with its shared store, keep one TCP store across restarts and the workers' process-group keys are not
+        # per attempt, so a restarted rank can read a dead peer's address ("Connection refused"). c10d without
+        # store sharing gives every round a fresh store on a fresh port.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if nodes.backend == "static" and nodes.count > 1:
+            nodes = Nodes(nodes.count, rdzv_endpoint=f"{ip}:{main_port}")
+    accel = build_accelerate_config(
+        num_processes * nodes.count, mixed_precision,
+        num_machines=nodes.count,
+        # c10d assigns ranks itself; machine 1 everywhere keeps accelerate from insisting that the
+        # endpoint's port be free on every machine (only machine 0 checks it)
+        machine_rank=nodes.rank if nodes.backend == "static" else 1,
+        main_process_ip=ip, main_process_port=main_port, rdzv_backend=nodes.backend, fsdp=fsdp,
+    )
+    if nodes.count > 1 and nodes.backend == "static":
+        name = f"accelerate_config.node-{nodes.rank}.yaml"  # every node writes its own into the shared output_dir
+    else:
+        name = GENERATED_CONFIG_NAME
+    accel_path = config.output_path() / name
+    command = [python, "-m", "accelerate.commands.launch", "--config_file", str(accel_path)] + restarts
+    if nodes.backend == "c10d":  # accelerate reads the rendezvous backend from its command line only
+        command += ["--rdzv_backend", "c10d"]
+    if nodes.count == 1 and max_restarts:
+        # accelerate passes a rendezvous endpoint to torchrun only for several machines; torchrun reads its
+        # own arguments from PET_* variables too
+        command += ["--rdzv_backend", "c10d"]
+        env["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port or free_port()}"
+    elif nodes.count == 1:
+        command += ["--main_process_port", str(port or free_port())]
+    return LaunchPlan(command + train_args, num_processes * nodes.count, env, accel, accel_path, generated_config=True)
 
 
 def write_plan_files(plan: LaunchPlan) -> None:
@@ -122,15 +180,44 @@ def _kill_with_parent() -> None:
     die_with_parent()
 
 
+# torch elastic's own log lines ("E1202 20:01:02.123000 1234 torch/distributed/elastic/...") and, once the
+# launcher starts its traceback (ChildFailedError), everything after it: the workers already said what failed.
+_ELASTIC_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
+_LAUNCHER_TRACEBACK = "Traceback (most recent call last):"
+
+
+class LauncherOutput:
+    """Relays the launcher's stderr without torchrun's failure block; remembers whether a worker said 'error:'."""
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.dropping = False
+        self.worker_error = False
+
+    def feed(self, line: str) -> None:
+        if line.startswith(_LAUNCHER_TRACEBACK):
+            self.dropping = True
+        if self.dropping or _ELASTIC_LOG.match(line):
+            return
+        self.worker_error = self.worker_error or line.startswith("error: ")
+        self.sink.write(line)
+        self.sink.flush()
+
+
 def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
     """Run the launcher in its own process group and take the whole group down with us.
 
     Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers);
     if this process is killed outright, the launcher gets SIGKILL from the kernel, and each
-    worker in turn dies with its launcher.
+    worker in turn dies with its launcher. A multi-process launcher's stderr is relayed without
+    torchrun's failure block (unless --verbose): a failing worker prints one line naming its log.
     """
     full_env = {**os.environ, **env}
-    proc = subprocess.Popen(list(command), env=full_env, start_new_session=True, preexec_fn=_kill_with_parent)
+    relay = "accelerate.commands.launch" in command and full_env.get(VERBOSE_ENV) != "1"
+    if relay and sys.stderr.isatty():
+        full_env[TTY_ENV] = "1"  # the workers' progress bar is for a terminal, though it reaches it through a pipe
+    proc = subprocess.Popen(list(command), env=full_env, start_new_session=True, preexec_fn=_kill_with_parent,
+                            stderr=subprocess.PIPE if relay else None, text=relay, errors="replace" if relay else None)
 
     def forward(signum, _frame):
         try:
@@ -139,8 +226,12 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
             pass
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    output = LauncherOutput(sys.stderr) if relay else None
     try:
-        return proc.wait()
+        if output is not None:
+            for line in proc.stderr:
+                output.feed(line)
+        code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -148,6 +239,9 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a launcher that already exited
         except (ProcessLookupError, PermissionError):
             pass
+    if output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
+        sys.stderr.write(f"error: training failed (launcher exit code {code}); each rank's log is in output_dir/logs/\n")
+    return code
 
 
 def launch(plan: LaunchPlan, runner: Callable[[Sequence[str], dict[str, str]], int] = run_subprocess) -> int:

@@ -1,4 +1,4 @@
-"""Rank 0's view of the run: a metrics.jsonl line per logging step and a rich progress bar."""
+"""Rank 0's view of the run: metrics.jsonl, experiment trackers, and the console (a progress bar on a terminal)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ import logging
 import os
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+from .distributed import TTY_ENV
 
 log = logging.getLogger("praisonai_accel")
 _NOT_SHOWN = ("step", "time", "tokens", "positions")
+TRACKED = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_second", "step_seconds", "padding_fraction")
 
 
 def write_json_atomic(data: dict, path: Path) -> None:
@@ -22,15 +28,76 @@ def write_json_atomic(data: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-class MetricsLogger:
-    """Does nothing on ranks other than 0, so callers need no `if is_main_process`."""
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl, skipping a last line cut short by a kill."""
+    records = []
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
 
-    def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, append: bool = False):
+
+@dataclass
+class StepResult:
+    loss_sum: float  # summed token losses
+    targets: int  # tokens the loss was computed on
+    tokens: int  # real input tokens
+    positions: int  # tokens processed, padding included
+    grad_norm: float | None
+    stop: bool  # some rank received SIGTERM
+
+
+class Window:
+    """Steps since the last log line, summed over ranks."""
+
+    def __init__(self):
+        self.steps = self.targets = self.tokens = self.positions = 0
+        self.loss_sum = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, step: StepResult) -> None:
+        self.steps += 1
+        self.loss_sum += step.loss_sum
+        self.targets += step.targets
+        self.tokens += step.tokens
+        self.positions += step.positions
+
+    def record(self, state, learning_rate: float, grad_norm: float | None, batches_per_epoch: int) -> dict:
+        elapsed = time.perf_counter() - self.started
+        return {
+            "step": state.global_step,
+            "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
+            "loss": self.loss_sum / max(self.targets, 1),
+            "learning_rate": learning_rate,
+            "grad_norm": grad_norm,
+            "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,
+            "step_seconds": elapsed / max(self.steps, 1),
+            "padding_fraction": 1 - self.tokens / max(self.positions, 1),
+            "tokens": self.tokens,
+            "positions": self.positions,
+            "time": time.time(),
+        }
+
+
+class MetricsLogger:
+    """Does nothing on ranks other than 0, so callers need no `if is_main_process`.
+
+    Every record goes to metrics.jsonl and to the experiment trackers (`tracker_log`, Accelerate's
+    accelerator.log). On a terminal the console shows a progress bar with loss, tokens/s and ETA;
+    piped, it gets one plain line per logging step.
+    """
+
+    def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, append: bool = False,
+                 tracker_log: Callable[[dict, int], None] | None = None):
         self.path = Path(path)
         self.total_steps = total_steps
         self.enabled = enabled
         self.start_step = start_step
         self.append = append
+        self.tracker_log = tracker_log
         self._file = None
         self._progress = None
         self._task = None
@@ -40,38 +107,46 @@ class MetricsLogger:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a" if self.append else "w")
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1":
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
-                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[loss]}"), transient=False,
+                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
+                TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=Console(stderr=True, force_terminal=True),
+                transient=False,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total_steps, completed=self.start_step, loss="")
+            self._task = self._progress.add_task("train", total=self.total_steps, completed=self.start_step, status="")
         return self
 
     def log(self, record: dict) -> None:
         """A training step record; also moves the progress bar."""
         if self.enabled and self._progress is not None:
-            self._progress.update(self._task, completed=record["step"], loss=f"loss {record['loss']:.4f}")
-        self._write(record)
+            speed = record.get("tokens_per_second")
+            status = f"loss {record['loss']:.4f}" + (f"  {speed:,.0f} tok/s" if speed else "")
+            self._progress.update(self._task, completed=record["step"], status=status)
+        self._write(record, show=self._progress is None)
 
     def log_event(self, record: dict) -> None:
         """An eval result or a checkpoint."""
-        self._write(record)
+        self._write(record, show=True)
 
-    def _write(self, record: dict) -> None:
-        """One line in metrics.jsonl, and a readable line on the console (bookkeeping keys left out)."""
+    def _write(self, record: dict, show: bool) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        line = f"step {record['step']}/{self.total_steps} " + " ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in record.items() if k not in _NOT_SHOWN and v is not None
-        )
-        (self._progress.console.print if self._progress is not None else log.info)(line)
+        if self.tracker_log is not None:
+            values = {k: v for k, v in record.items() if k in TRACKED and v is not None}
+            if values:
+                self.tracker_log(values, record["step"])
+        if show:
+            line = f"step {record['step']}/{self.total_steps} " + " ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in record.items() if k not in _NOT_SHOWN and v is not None
+            )
+            (self._progress.console.print if self._progress is not None else log.info)(line)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:

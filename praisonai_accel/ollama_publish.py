@@ -1,8 +1,9 @@
 """Publishing to Ollama: a Modelfile derived from the tokenizer, and the model created over its HTTP API.
 
-The chat template is Jinja; Ollama wants a Go template. Rather than translate Jinja, we render the
-template around marker strings and cut the output at the markers, which gives the exact text that
-goes before and after the system prompt, the user turn and the reply.
+The TEMPLATE comes from `ollama_template` and is written only when it reproduces the chat template;
+otherwise it is left out and Ollama detects the template from the model's own chat_template. Ollama
+converts safetensors LoRA adapters only for Llama-family and Gemma 2 bases, so for any other
+architecture the adapter is merged first and the model is created from the merged weights.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from pathlib import Path
 log = logging.getLogger("praisonai_accel")
 
 DEFAULT_HOST = "http://localhost:11434"
-_SYS, _USER, _REPLY = "\x01SYSTEM\x01", "\x01PROMPT\x01", "\x01REPLY\x01"
 BASE_MODEL_FILES = ("*.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+# Base architectures whose safetensors LoRA adapters Ollama's converter takes (its "llama" and "gemma2").
+ADAPTER_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM"}
 
 
 @dataclass
 class OllamaRecipe:
-    template: str
+    template: str | None  # None: no TEMPLATE, Ollama detects it from the model's chat template
     stop: list[str]
     base: str  # FROM: an Ollama model name or a directory of safetensors
     adapter: Path | None = None
@@ -35,53 +37,24 @@ class OllamaRecipe:
         lines = [f"FROM {self.base}"]
         if self.adapter is not None:
             lines.append(f"ADAPTER {self.adapter}")
-        lines.append(f'TEMPLATE """{self.template}"""')
+        if self.template is not None:
+            lines.append(f'TEMPLATE """{self.template}"""')
         lines += [f"PARAMETER stop {json.dumps(token)}" for token in self.stop]
         return "\n".join(lines) + "\n"
 
 
-def _between(text: str, start: str | None, end: str) -> str:
-    begin = text.index(start) + len(start) if start else 0
-    return text[begin:text.index(end, begin)]
+def go_template(tokenizer) -> str | None:
+    """Ollama's TEMPLATE for this tokenizer's chat template, or None when none reproduces it (said in one line)."""
+    from .chat_masking import template_name
+    from .ollama_template import derive
 
-
-def go_template(tokenizer) -> str:
-    """Ollama's TEMPLATE for this tokenizer's chat template (system, prompt, response).
-
-    Pieces: what opens the conversation (bos, or a default system prompt), the system block, the
-    user turn's opening and closing, the generation prompt, and what follows the reply.
-    """
-    render = lambda messages, gen=False: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-    user = {"role": "user", "content": _USER}
-    user_turn = render([user])
-    prompt_only = render([user], gen=True)
-    with_reply = render([user, {"role": "assistant", "content": _REPLY}])
-    after_reply = with_reply[with_reply.index(_REPLY) + len(_REPLY):]
-    second_turn = render([{"role": "user", "content": "a"}, {"role": "assistant", "content": _REPLY}, user])
-    user_open = _between(second_turn, _REPLY + after_reply, _USER) if (_REPLY + after_reply) in second_turn else ""
-    before_user = user_turn[: user_turn.index(_USER)]
-    opening = before_user[: len(before_user) - len(user_open)] if before_user.endswith(user_open) else before_user
-    user_open = user_open if before_user.endswith(user_open) else ""
-    user_close = user_turn[user_turn.index(_USER) + len(_USER):]
-    generation_prompt = prompt_only[len(user_turn):] if prompt_only.startswith(user_turn) else ""
-
-    system_block = ""
-    try:
-        with_system = render([{"role": "system", "content": _SYS}, user])
-    except Exception:  # templates that reject a system role have no system block
-        with_system = ""
-    if _SYS in with_system:
-        between = _between(with_system, _SYS, _USER)
-        system_close = between[: len(between) - len(user_open)] if user_open and between.endswith(user_open) else between
-        system_block = "{{ if .System }}" + with_system[: with_system.index(_SYS)] + "{{ .System }}" + system_close
-        system_block += ("{{ else }}" + opening if opening else "") + "{{ end }}"
-    else:
-        system_block = opening
-    return (
-        system_block
-        + "{{ if .Prompt }}" + user_open + "{{ .Prompt }}" + user_close + "{{ end }}"
-        + generation_prompt + "{{ .Response }}" + after_reply.rstrip("\n")
-    )
+    derived = derive(tokenizer)
+    if derived is None:
+        log.info("ollama: the chat template (%s) cannot be written as an Ollama TEMPLATE that reproduces it; "
+                 "leaving TEMPLATE out, so Ollama detects it from the model's chat template",
+                 template_name(tokenizer.chat_template) if isinstance(tokenizer.chat_template, str) else "custom")
+        return None
+    return derived.go()
 
 
 def stop_tokens(tokenizer, template: str) -> list[str]:
@@ -106,6 +79,13 @@ def _base_model_dir(name: str) -> Path | None:
         return None
 
 
+def _architecture(model_dir: Path) -> str:
+    try:
+        return (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or ["unknown"])[0]
+    except (OSError, ValueError):
+        return "unknown"
+
+
 def recipe_for(adapter_or_model: Path, ollama_base: str | None = None) -> OllamaRecipe:
     """How to build the Ollama model from a trained adapter dir (FROM base + ADAPTER) or a merged model dir."""
     from transformers import AutoTokenizer
@@ -113,7 +93,7 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None) -> Ollama
     source = Path(adapter_or_model)
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     template = go_template(tokenizer)
-    stops = stop_tokens(tokenizer, template)
+    stops = stop_tokens(tokenizer, template if template is not None else str(tokenizer.chat_template or ""))
     if not (source / "adapter_config.json").exists():  # a merged or fully fine-tuned model
         return OllamaRecipe(template, stops, str(source.resolve()), files=_files(source, BASE_MODEL_FILES))
     base_name = json.loads((source / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -126,6 +106,14 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None) -> Ollama
             f"base model '{base_name}' is not on this machine; set ollama_base (an Ollama model such as llama3.2:1b) "
             "or merge the adapter first (praisonai-accel merge)"
         )
+    architecture = _architecture(base_dir)
+    if architecture not in ADAPTER_ARCHITECTURES:
+        from .inference import merge_adapter
+
+        merged = merge_adapter(source, source.with_name(source.name + "-merged"), force=True)
+        log.info("ollama: Ollama imports LoRA adapters only for Llama-family and Gemma 2 bases, not %s; merged the "
+                 "adapter into %s and creating the model from it", architecture, merged)
+        return OllamaRecipe(template, stops, str(merged.resolve()), files=_files(merged, BASE_MODEL_FILES))
     return OllamaRecipe(template, stops, str(base_dir.resolve()), files=_files(base_dir, BASE_MODEL_FILES), **adapter)
 
 

@@ -1,13 +1,15 @@
 """The training recipe, top to bottom: set up, (resume), step, evaluate, checkpoint, save.
 
-Accelerate owns DDP wrapping, mixed precision, device placement, rank-0 gating and checkpoint
-state. The loop owns gradient accumulation (with `no_sync`) because the loss is normalised by
-the number of target tokens in the whole optimizer step, over every micro-batch and every rank:
-only then do 2 processes x batch B give the same update as 1 process x batch 2B.
+Accelerate owns DDP/FSDP wrapping, mixed precision, device placement, rank-0 gating, trackers and
+checkpoint state. The loop owns gradient accumulation (with `no_sync`) because the loss is normalised
+by the number of target tokens in the whole optimizer step, over every micro-batch and every rank:
+only then do 2 processes x batch B give the same update as 1 process x batch 2B. The loss itself
+(LM head at target positions only, in chunks) lives in `loss.py`, evaluation in `evaluation.py`.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import logging
@@ -15,68 +17,27 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from . import checkpoint as ckpt
 from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, LengthGroupedSampler, PadCollator, ensure_chat_template, load_or_build
-from .distributed import DistEnv, resolve_mixed_precision
+from .data import LengthGroupedSampler, PadCollator, ensure_chat_template, load_datasets, report_stats
+from .distributed import VERBOSE_ENV, DistEnv, resolve_mixed_precision
+from .evaluation import evaluate, record_evaluation
 from .hub import model_card
-from .metrics import MetricsLogger, write_json_atomic
+from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
 from .model import choose_backend, load_model_and_tokenizer, trainable_parameter_count
 
 log = logging.getLogger("praisonai_accel")
 
-# Test-only fault injection: rank 0 dies inside the save of this step, after the state is written
-# but before the checkpoint is marked complete.
+# Test-only fault injection: rank 0 dies inside the save of step N ("N": after the state is written, before the
+# checkpoint is marked complete; "N:state": inside accelerator.save_state, before anything is written).
 CRASH_IN_SAVE_ENV = "PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE"
-
-
-@dataclass
-class StepResult:
-    loss_sum: float  # summed token losses
-    targets: int  # tokens the loss was computed on
-    tokens: int  # real input tokens
-    positions: int  # tokens processed, padding included
-    grad_norm: float | None
-    stop: bool  # some rank received SIGTERM
-
-
-class Window:
-    """Steps since the last log line, summed over ranks."""
-
-    def __init__(self):
-        self.steps = self.targets = self.tokens = self.positions = 0
-        self.loss_sum = 0.0
-        self.started = time.perf_counter()
-
-    def add(self, step: StepResult) -> None:
-        self.steps += 1
-        self.loss_sum += step.loss_sum
-        self.targets += step.targets
-        self.tokens += step.tokens
-        self.positions += step.positions
-
-    def record(self, state, learning_rate: float, grad_norm: float | None, batches_per_epoch: int) -> dict:
-        elapsed = time.perf_counter() - self.started
-        return {
-            "step": state.global_step,
-            "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
-            "loss": self.loss_sum / max(self.targets, 1),
-            "learning_rate": learning_rate,
-            "grad_norm": grad_norm,
-            "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,
-            "step_seconds": elapsed / max(self.steps, 1),
-            "padding_fraction": 1 - self.tokens / max(self.positions, 1),
-            "tokens": self.tokens,
-            "positions": self.positions,
-            "time": time.time(),
-        }
 
 
 class Preempted(Exception):
@@ -85,6 +46,10 @@ class Preempted(Exception):
     def __init__(self, checkpoint: Path):
         super().__init__(f"stopped by SIGTERM; checkpoint saved at {checkpoint}")
         self.checkpoint = checkpoint
+
+
+class DiskFull(Exception):
+    """No space left while saving; earlier checkpoints are intact."""
 
 
 # ---------------------------------------------------------------- small pure helpers
@@ -100,25 +65,13 @@ def warmup_steps(config: TrainConfig, total_steps: int) -> int:
     return config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
 
 
-def token_loss_sum(logits, labels):
-    """Summed next-token cross-entropy over target tokens (labels != -100)."""
-    import torch.nn.functional as F
-
-    shifted_logits = logits[:, :-1, :].float()
-    shifted_labels = labels[:, 1:]
-    return F.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )
-
-
-def count_target_tokens(batch) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-
-
 def micro_batch_groups(batches: Iterator, size: int) -> Iterator[list]:
     while group := list(itertools.islice(batches, size)):
         yield group
+
+
+def batch_targets(batch) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 def parameter_digest(model) -> str:
@@ -126,26 +79,32 @@ def parameter_digest(model) -> str:
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         if param.requires_grad:
+            value = param.full_tensor() if hasattr(param, "full_tensor") else param  # FSDP2 shards are DTensors
             digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
+            digest.update(value.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
-def improved(metric: float, best: float | None, greater_is_better: bool, threshold: float) -> bool:
-    if best is None:
-        return True
-    return metric > best + threshold if greater_is_better else metric < best - threshold
+def is_disk_full(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        text = str(exc)
+        if "No space left" in text or "unexpected pos" in text or "file write failed" in text:
+            return True  # torch.save reports a short write this way
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def save_final_model(accelerator, model, tokenizer, target: Path, card: str | None = None) -> None:
     """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at all."""
-    state_dict = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed, so every rank calls it
+    causal_lm, state_dict = ckpt.trained_model_and_state(accelerator, model)
     if accelerator.is_main_process:
         target = Path(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        causal_lm.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if card is not None:
             (tmp / "README.md").write_text(card)
@@ -157,18 +116,24 @@ def save_final_model(accelerator, model, tokenizer, target: Path, card: str | No
     accelerator.wait_for_everyone()
 
 
-def _quiet_libraries(is_main: bool) -> None:
-    import datasets
+def quiet_libraries(verbose: bool) -> None:
+    """Setup facts and metrics from us; nothing from the libraries (progress bars, per-rank chatter) unless verbose."""
     import transformers
 
+    # Every rank logs at INFO into its own log file; the console handler shows rank 0's INFO and others' warnings.
+    logging.getLogger().setLevel(logging.INFO)
+    log.setLevel(logging.INFO)
+    if verbose:
+        return
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if not is_main:
-        datasets.disable_progress_bars()
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s")
-    log.setLevel(logging.INFO if is_main else logging.WARNING)
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save/load chatter
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    # datasets is imported only when tokenizing; it reads these when it loads
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    for noisy in ("torch.distributed", "torch.nn.parallel", "peft", "bitsandbytes", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
 
 
 def _peak_gpu_memory_mib() -> float | None:
@@ -177,9 +142,9 @@ def _peak_gpu_memory_mib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
-def _crash_hook():
-    step = os.environ.get(CRASH_IN_SAVE_ENV)
-    if not step:
+def _crash_hook(where: str = ""):
+    step, _, place = os.environ.get(CRASH_IN_SAVE_ENV, "").partition(":")
+    if not step or place != where:
         return None
 
     def hook(global_step: int) -> None:
@@ -187,6 +152,28 @@ def _crash_hook():
             os._exit(17)
 
     return hook
+
+
+def check_shared_output_dir(accelerator, output_dir: Path) -> None:
+    """Every rank must see what rank 0 writes in output_dir, or checkpoints and resume cannot work across nodes."""
+    import torch
+
+    probe = output_dir / ".praisonai_shared_check"
+    token = os.environ.get("TORCHELASTIC_RUN_ID", "") + os.environ.get("MASTER_ADDR", "") + os.environ.get("MASTER_PORT", "")
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    accelerator.wait_for_everyone()
+    seen = probe.is_file() and probe.read_text() == token
+    missing = accelerator.reduce(torch.tensor([0.0 if seen else 1.0], device=accelerator.device), "sum")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        probe.unlink(missing_ok=True)
+    if float(missing[0]) > 0:
+        raise ConfigError(
+            f"output_dir: {int(missing[0])} process(es) cannot see what rank 0 wrote in {output_dir}; with several "
+            "nodes, output_dir must be on storage all nodes share (NFS, Lustre, a mounted bucket)"
+        )
 
 
 # ---------------------------------------------------------------- the recipe
@@ -197,6 +184,7 @@ class Recipe:
         self.publisher = publisher  # rank 0's HubPublisher, or None
         self.env = DistEnv.from_environ()
         self.output_dir = config.output_path()
+        self.verbose = os.environ.get(VERBOSE_ENV) == "1"
         self.stop_requested = False
         self._rng_to_reapply: Path | None = None  # set when resuming mid-epoch, see _epoch_batches
 
@@ -211,7 +199,9 @@ class Recipe:
         bf16 = use_cuda and torch.cuda.is_bf16_supported()
         self.backend = choose_backend(config, self.env, use_cuda)  # imports unsloth, if at all, before transformers
         self.accelerator = accelerator = self._build_accelerator(use_cuda, bf16)
-        _quiet_libraries(accelerator.is_main_process)
+        quiet_libraries(self.verbose)
+        if accelerator.num_processes > 1:
+            check_shared_output_dir(accelerator, self.output_dir)
         self.resume_from = self._find_resume_point()
         set_seed(config.seed)
         log.info("backend: %s%s | processes: %d | device: %s | mixed precision: %s", self.backend.name,
@@ -224,10 +214,11 @@ class Recipe:
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
 
-        train_data, lengths, self.eval_data = self._load_data()
-        loader = self._train_loader(train_data, lengths)
-        optimizer = self._build_optimizer(model)
-        self.model, self.optimizer, self.loader = accelerator.prepare(model, optimizer, loader)
+        train_data, self.eval_data = self._load_data()
+        loader = self._train_loader(train_data)
+        loss_module = self._loss_module(model, use_cuda)
+        optimizer = self._build_optimizer(loss_module)
+        self.model, self.optimizer, self.loader = accelerator.prepare(loss_module, optimizer, loader)
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
         from transformers import get_scheduler
 
@@ -237,13 +228,26 @@ class Recipe:
                                        num_training_steps=self.total_steps)
         accelerator.register_for_checkpointing(self.scheduler)
         ckpt.install_trainable_only_hooks(accelerator)
+        crash_in_state = _crash_hook("state")
+        if crash_in_state is not None:
+            accelerator.register_save_state_pre_hook(lambda *_: crash_in_state(self.state.global_step))
         self.state = self._fresh_state()
         if self.resume_from is not None:
             self._load_checkpoint(self.resume_from)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if config.trackers and accelerator.is_main_process:
+            if "mlflow" in config.trackers and not os.environ.get("MLFLOW_TRACKING_URI"):
+                # no server given: a file store in output_dir (mlflow keeps it only behind this opt-in)
+                os.environ["MLFLOW_TRACKING_URI"] = (self.output_dir / "mlruns").resolve().as_uri()
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            if not self.verbose:
+                os.environ.setdefault("WANDB_SILENT", "true")
+            with self._quiet_stdout():  # trackers announce themselves with print()
+                accelerator.init_trackers(config.run_name or self.output_dir.resolve().name,
+                                          config=_tracker_config(config))
         world, accum, per_device = accelerator.num_processes, config.gradient_accumulation_steps, config.per_device_train_batch_size
-        log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d", self.total_steps, self.steps_per_epoch,
-                 per_device, accum, world, per_device * accum * world)
+        log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d%s", self.total_steps, self.steps_per_epoch,
+                 per_device, accum, world, per_device * accum * world, " rows" if config.packing else "")
 
     def _build_accelerator(self, use_cuda: bool, bf16: bool):
         from accelerate import Accelerator
@@ -260,7 +264,9 @@ class Recipe:
             gradient_accumulation_steps=1,  # accumulation is done by the loop, see module docstring
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
-            project_config=ProjectConfiguration(project_dir=config.output_dir, automatic_checkpoint_naming=False),
+            log_with=config.trackers or None,
+            project_config=ProjectConfiguration(project_dir=config.output_dir, logging_dir=str(self.output_dir / "runs"),
+                                                automatic_checkpoint_naming=False),
         )
 
     def _find_resume_point(self) -> Path | None:
@@ -276,32 +282,49 @@ class Recipe:
 
     def _load_data(self):
         config, accelerator = self.config, self.accelerator
-        cache = self.output_dir / ".cache" / "preprocessed"
         started = time.perf_counter()
-        with accelerator.local_main_process_first():
-            train, from_cache = load_or_build(config.dataset, self.tokenizer, config, cache)
-            evaluation = load_or_build(config.eval_dataset, self.tokenizer, config, cache)[0] if config.eval_dataset else None
+        with accelerator.main_process_first():  # one tokenization for every node: output_dir is shared storage
+            train, stats, from_cache, evaluation = load_datasets(config, self.tokenizer)
         self.preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
-        log.info("data: %d examples (%s in %.2fs)", len(train), "cached" if from_cache else "tokenized",
-                 self.preprocess["seconds"])
+        report_stats(stats, from_cache)
         if config.val_split_ratio > 0:
-            split = train.train_test_split(test_size=config.val_split_ratio, seed=config.seed)
-            train, evaluation = split["train"], split["test"]
+            train, evaluation = train.split(config.val_split_ratio, config.seed)
         if evaluation is not None:
             log.info("eval: %d examples", len(evaluation))
-            evaluation = evaluation.select_columns(["input_ids", "labels"])
-        return train.select_columns(["input_ids", "labels"]), train["length"], evaluation
+        return train, evaluation
 
-    def _train_loader(self, dataset, lengths: list[int]):
+    def _train_loader(self, dataset):
         import torch
         from torch.utils.data import DataLoader
 
+        from .packing import PackedDataset
+
         config = self.config
         common = {"batch_size": config.per_device_train_batch_size, "collate_fn": PadCollator(self.tokenizer.pad_token_id)}
-        if config.group_by_length:
+        lengths = dataset.lengths
+        if config.packing:
+            dataset = PackedDataset(dataset, lengths, config.max_seq_length)
+            fill = sum(dataset.row_lengths) / (len(dataset) * config.max_seq_length)
+            log.info("packing: %d examples in %d rows of %d tokens (%.1f%% full)", len(lengths), len(dataset),
+                     config.max_seq_length, 100 * fill)
+        elif config.group_by_length:
             sampler = LengthGroupedSampler(lengths, config.group_by_length_window, config.seed)
             return DataLoader(dataset, sampler=sampler, **common)
         return DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(config.seed), **common)
+
+    def _loss_module(self, model, use_cuda: bool):
+        from .loss import CausalLMLoss, load_liger, verify_head
+
+        config = self.config
+        module = CausalLMLoss(model, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
+        probe = self.tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+        if module.chunked and not verify_head(module, probe, self.accelerator.device):
+            module.chunked = False
+            log.warning("warning: this model's head is not a plain linear layer over the decoder output; "
+                        "the loss uses its full logits")
+        log.info("loss: %s", "liger fused linear cross-entropy" if module.liger is not None and module.chunked else
+                 "LM head at target positions only, chunked" if module.chunked else "full logits")
+        return module
 
     def _build_optimizer(self, model):
         import torch
@@ -319,7 +342,8 @@ class Recipe:
             try:
                 import bitsandbytes as bnb
             except Exception as exc:
-                raise ConfigError(f"optim: {config.optim} needs bitsandbytes ({type(exc).__name__}); use optim: adamw_torch") from None
+                raise ConfigError(f"optim: {config.optim} needs bitsandbytes ({type(exc).__name__}); "
+                                  "pip install 'praisonai-accel[qlora]', or use optim: adamw_torch") from None
             cls = bnb.optim.PagedAdamW8bit if config.optim.startswith("paged") else bnb.optim.AdamW8bit
             return cls(groups, lr=lr, betas=betas, eps=eps)
         fused = config.optim == "adamw_torch_fused" and torch.cuda.is_available()
@@ -378,12 +402,12 @@ class Recipe:
             ckpt.load_rng_state(rng_checkpoint, self.accelerator.process_index)
         return itertools.chain([first], batches)
 
-    def _optimizer_step(self, group: list) -> "StepResult":
+    def _optimizer_step(self, group: list) -> StepResult:
         """Forward/backward every micro-batch, then one optimizer step; totals are over all ranks."""
         import torch
 
         accelerator, model = self.accelerator, self.model
-        local = torch.tensor([sum(count_target_tokens(b) for b in group)], device=accelerator.device)
+        local = torch.tensor([sum(batch_targets(b) for b in group)], device=accelerator.device)
         step_targets = int(accelerator.reduce(local, reduction="sum").item())
         scale = accelerator.num_processes / max(step_targets, 1)  # DDP averages over ranks; micro-batch grads add up
         loss_sum = torch.zeros((), device=accelerator.device)
@@ -391,15 +415,14 @@ class Recipe:
         for index, batch in enumerate(group):
             last = index == len(group) - 1
             with nullcontext() if last else accelerator.no_sync(model):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                summed = token_loss_sum(logits, batch["labels"])
+                summed = model(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids"))
                 accelerator.backward(summed * scale)
             loss_sum += summed.detach()
             tokens += int(batch["attention_mask"].sum())
             positions += batch["attention_mask"].numel()
-        grad_norm = None
-        if self.config.max_grad_norm > 0:
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), self.config.max_grad_norm))
+        # Clipping at infinity clips nothing and still returns the norm, so grad_norm is always logged.
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
         self.optimizer.step()
         if not accelerator.optimizer_step_was_skipped:
             self.scheduler.step()
@@ -411,34 +434,24 @@ class Recipe:
                           positions=int(totals[2]), grad_norm=grad_norm, stop=bool(totals[3] > 0))
 
     def evaluate(self) -> float:
-        """Token-normalised loss over the whole eval set; each sample is seen by exactly one rank."""
-        import torch
-
-        accelerator = self.accelerator
-        model = accelerator.unwrap_model(self.model)
-        rank, world = accelerator.process_index, accelerator.num_processes
-        shard = self.eval_data.select(range(rank, len(self.eval_data), world))
-        collate = PadCollator(self.tokenizer.pad_token_id)
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
-        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        model.eval()
-        with torch.no_grad(), accelerator.autocast():
-            for start in range(0, len(shard), batch_size):
-                batch = collate([shard[i] for i in range(start, min(start + batch_size, len(shard)))])
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                loss_sum += token_loss_sum(logits, batch["labels"]).double()
-                targets += count_target_tokens(batch)
-        model.train()
-        totals = accelerator.reduce(torch.stack([loss_sum, targets]), "sum")
-        return float(totals[0] / totals[1].clamp(min=1))
+        return evaluate(self.accelerator, self.model, self.eval_data, PadCollator(self.tokenizer.pad_token_id), batch_size)
 
     def save_checkpoint(self) -> Path:
         config = self.config
         started = time.perf_counter()
-        path = ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.output_dir, self.state,
-                                    config.uses_lora, fault_hook=_crash_hook())
+        try:
+            path = ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.output_dir, self.state,
+                                        config.uses_lora, fault_hook=_crash_hook())
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            tmp = self.output_dir / f"checkpoint-{self.state.global_step}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest = ckpt.latest_complete(self.output_dir, warn=False)
+            raise DiskFull(f"no space left on device while saving checkpoint-{self.state.global_step}; the latest "
+                           f"complete checkpoint is {latest.name if latest else 'none'}; free space in "
+                           f"{self.output_dir} and re-run the same command to resume") from None
         self.metrics.log_event({"step": self.state.global_step, "checkpoint": path.name,
                                 "save_seconds": time.perf_counter() - started, "time": time.time()})
         if self.accelerator.is_main_process:
@@ -450,25 +463,6 @@ class Recipe:
         self.accelerator.wait_for_everyone()
         log.info("saved checkpoint %s", path)
         return path
-
-    def _after_eval(self, metric: float, end_of_epoch: bool) -> bool:
-        """Track the best metric (and the checkpoint about to hold it); True when early stopping says stop.
-
-        As in transformers: any improvement makes a new best, but only one beyond
-        early_stopping_threshold resets the patience counter.
-        """
-        config, state = self.config, self.state
-        previous_best = state.best_metric
-        if improved(metric, previous_best, config.greater_is_better, 0.0):
-            state.best_metric = metric
-            if self._saves_at(state.global_step, end_of_epoch):
-                state.best_checkpoint = f"checkpoint-{state.global_step}"
-        if improved(metric, previous_best, config.greater_is_better, config.early_stopping_threshold):
-            state.evals_without_improvement = 0
-        else:
-            state.evals_without_improvement += 1
-        patience = config.early_stopping_patience
-        return bool(patience and state.evals_without_improvement >= patience)
 
     def _saves_at(self, step: int, end_of_epoch: bool) -> bool:
         config = self.config
@@ -486,8 +480,11 @@ class Recipe:
         config, accelerator, state = self.config, self.accelerator, self.state
         world = accelerator.num_processes
         self._trim_metrics_after(state.global_step)
+        tracker_log = (lambda values, step: accelerator.log(values, step=step)) if config.trackers else None
         metrics = self.metrics = MetricsLogger(self.output_dir / "metrics.jsonl", self.total_steps,
-                                               enabled=accelerator.is_main_process, start_step=state.global_step, append=True)
+                                               enabled=accelerator.is_main_process, start_step=state.global_step,
+                                               append=True, tracker_log=tracker_log)
+        self._write_progress("running")
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         started = time.perf_counter()
         window = Window()
@@ -518,9 +515,11 @@ class Recipe:
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         eval_loss = self.evaluate()
                         metrics.log_event({"step": state.global_step, "eval_loss": eval_loss})
-                        stop_early = self._after_eval(eval_loss, end_of_epoch)
+                        stop_early = record_evaluation(config, state, eval_loss, self._saves_at(state.global_step, end_of_epoch))
                     if step.stop:
-                        raise Preempted(self.save_checkpoint())
+                        saved = self.save_checkpoint()
+                        self._write_progress("preempted")
+                        raise Preempted(saved)
                     if self._saves_at(state.global_step, end_of_epoch):
                         self.save_checkpoint()
                     if last or stop_early:
@@ -530,6 +529,14 @@ class Recipe:
                          config.early_stopping_patience)
         return self._finish(started, stop_early)
 
+    def _write_progress(self, status: str) -> None:
+        """output_dir/progress.json: what `report` reads of a run in progress or interrupted."""
+        if self.accelerator.is_main_process:
+            write_json_atomic({"status": status, "global_step": self.state.global_step, "total_steps": self.total_steps,
+                               "num_processes": self.accelerator.num_processes, "updated": time.time(),
+                               "final_model_dir": str(self.config.final_model_path())},
+                              self.output_dir / "progress.json")
+
     def _trim_metrics_after(self, step: int) -> None:
         """On resume, forget metric lines of steps that will be trained again."""
         path = self.output_dir / "metrics.jsonl"
@@ -537,8 +544,8 @@ class Recipe:
             return
         import json
 
-        lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+        kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
+        path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
     def _finish(self, started: float, stopped_early: bool) -> dict:
         from accelerate.utils import gather_object
@@ -552,6 +559,7 @@ class Recipe:
         final_dir = config.final_model_path()
         summary = {
             "global_step": state.global_step,
+            "total_steps": self.total_steps,
             "num_processes": accelerator.num_processes,
             "final_model_dir": str(final_dir),
             "first_loss": state.first_loss,
@@ -575,12 +583,36 @@ class Recipe:
         })
         if accelerator.is_main_process:
             write_json_atomic(summary, self.output_dir / "train_summary.json")
+            self._write_progress("finished")
             log.info("saved %s to %s", "adapter" if config.uses_lora else "model", final_dir)
             if not summary["weights_in_sync"]:
                 log.warning("ranks finished with different weights: %s", digests)
+            from .report import write_loss_plot
+
+            plot = write_loss_plot(self.output_dir)
+            if plot is not None:
+                log.info("loss plot: %s", plot)
         accelerator.wait_for_everyone()
-        accelerator.end_training()
+        with self._quiet_stdout():
+            accelerator.end_training()
+        trackio = sys.modules.get("trackio")
+        if trackio is not None:  # its exit hook would finish the finished run again, and say so on the console
+            trackio.context_vars.current_run.set(None)
         return summary
+
+    def _quiet_stdout(self):
+        import contextlib
+        import io
+
+        return nullcontext() if self.verbose else contextlib.redirect_stdout(io.StringIO())
+
+
+def _tracker_config(config: TrainConfig) -> dict:
+    """The run's settings as trackers store them: scalars, lists and mappings as text."""
+    values = {}
+    for key, value in config.model_dump(mode="json").items():
+        values[key] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return values
 
 
 def train(config: TrainConfig, publisher=None) -> dict:

@@ -20,6 +20,17 @@ os.environ.setdefault("HF_HOME", str(Path(__file__).resolve().parent.parent / ".
 from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+PHI3 = REPO.parent / "shared" / "fixtures" / "phi-3-mini"
+BNB_DIR = REPO / ".bnb"  # bitsandbytes installed on its own (.ci/run), so only the tests that need it import it
+
+
+@pytest.fixture(scope="session")
+def phi3_tokenizer():
+    if not PHI3.is_dir():
+        pytest.skip("../shared/fixtures/phi-3-mini is absent")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(PHI3))
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +75,36 @@ def load_adapter(directory: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def make_architecture(directory: Path, kind: str) -> Path:
+    """A tiny random-weight model of a real architecture, with the demo tokenizer: Qwen3-MoE, or Gemma 3 with its
+    vision tower (multimodal; trained here on text only)."""
+    import torch
+    import transformers as tf
+
+    from praisonai_accel.demo import _train_tokenizer
+
+    texts = []
+    for r in demo_records(512, 0):
+        texts += [r["instruction"], r["input"] or "", r["output"], "user", "assistant", "system"]
+    tokenizer = _train_tokenizer(texts, vocab_size=320)
+    vocab = len(tokenizer)
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**text, moe_intermediate_size=32, num_experts=4,
+                                                         num_experts_per_tok=2, decoder_sparse_step=1))
+    else:
+        config = tf.Gemma3Config(
+            text_config=tf.Gemma3TextConfig(**text, sliding_window=16),
+            vision_config=tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_id=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        model = tf.Gemma3ForConditionalGeneration(config)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -66,19 +67,50 @@ class _Server:
         self.httpd.server_close()
 
 
+LFS_SUFFIXES = (".safetensors", ".bin", ".pkl", ".pt", ".png")  # binary files go through LFS, as on the Hub
+
+
 class _HubHandler(_Handler):
+    def _authorized(self, method: str) -> bool:
+        """Every endpoint refuses a missing or wrong token, like the Hub does for writes to a private repo."""
+        hub: FakeHub = self.server.owner
+        auth = self.headers.get("authorization", "")
+        if hub.token is None or auth == f"Bearer {hub.token}":
+            return True
+        hub.record(method=method, path=self.path, auth=auth, rejected=True)
+        self._json(401, {"error": "Invalid credentials in Authorization header"})
+        return False
+
     def do_GET(self):
         hub: FakeHub = self.server.owner
+        if not self._authorized("GET"):
+            return
         hub.record(method="GET", path=self.path, auth=self.headers.get("authorization"))
         if "/tree/" in self.path:  # list_repo_files, used by upload_folder(delete_patterns=...)
             return self._json(200, [{"type": "file", "path": p, "oid": "0" * 40, "size": n} for p, n in sorted(hub.files.items())])
         self._json(404, {"error": "not found"})
+
+    def do_PUT(self):
+        hub: FakeHub = self.server.owner
+        if not self.path.startswith("/lfs-upload/"):
+            return self._json(404, {"error": "no route"})
+        body = self._body()
+        oid = self.path.rsplit("/", 1)[-1]
+        if hashlib.sha256(body).hexdigest() != oid:
+            return self._json(400, {"error": "sha256 mismatch"})
+        hub.lfs[oid] = body
+        hub.record(kind="lfs-upload", oid=oid, size=len(body))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_POST(self):
         hub: FakeHub = self.server.owner
         body = self._body()
         auth = self.headers.get("authorization", "")
         agent = self.headers.get("user-agent", "")
+        if not self._authorized("POST"):
+            return
         if hub.reject_with and "/commit/" in self.path:
             hub.record(method="POST", path=self.path, auth=auth, agent=agent, rejected=True)
             return self._json(hub.reject_with, {"error": "Invalid credentials in Authorization header"})
@@ -90,14 +122,28 @@ class _HubHandler(_Handler):
             return self._json(200, {"errors": [], "warnings": []})
         if "/preupload/" in self.path:
             files = json.loads(body)["files"]
-            return self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+            mode = lambda path: "lfs" if path.endswith(LFS_SUFFIXES) else "regular"
+            return self._json(200, {"files": [{"path": f["path"], "uploadMode": mode(f["path"]), "shouldIgnore": False}
+                                              for f in files]})
+        if self.path.endswith(".git/info/lfs/objects/batch"):
+            objects = json.loads(body)["objects"]
+            return self._json(200, {"transfer": "basic", "objects": [
+                {"oid": o["oid"], "size": o["size"], "authenticated": True,
+                 "actions": {"upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}", "header": {}}}} for o in objects]})
         if "/commit/" in self.path:
+            if hub.hold is not None and not hub.held:  # the first commit waits until the test lets it go
+                hub.held = True
+                hub.hold.wait(timeout=120)
+            if hub.delay:
+                time.sleep(hub.delay)
             lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
             header = next(l["value"] for l in lines if l["key"] == "header")
             files = {l["value"]["path"]: base64.b64decode(l["value"]["content"]) for l in lines if l["key"] == "file"}
+            files.update({l["value"]["path"]: hub.lfs[l["value"]["oid"]] for l in lines if l["key"] == "lfsFile"})
             deletes = [l["value"]["path"] for l in lines if l["key"] in ("deletedFile", "deletedFolder")]
             repo = self.path.split("/api/models/")[1].split("/commit/")[0]
-            hub.record(kind="commit", repo=repo, summary=header["summary"], files=files, deletes=deletes, auth=auth, agent=agent)
+            hub.record(kind="commit", repo=repo, summary=header["summary"], files=files, deletes=deletes, auth=auth, agent=agent,
+                       lfs=[l["value"]["path"] for l in lines if l["key"] == "lfsFile"], finished=time.time())
             for path in deletes:
                 hub.files.pop(path, None)
             hub.files.update({path: len(content) for path, content in files.items()})
@@ -107,11 +153,15 @@ class _HubHandler(_Handler):
 
 
 class FakeHub(_Server):
+    """token: the only token accepted (None: any); hold: an Event the first commit waits for; delay: seconds per commit."""
+
     handler = _HubHandler
 
-    def __init__(self, reject_with: int | None = None):
-        self.reject_with = reject_with
+    def __init__(self, token: str | None = None, reject_with: int | None = None, hold: threading.Event | None = None,
+                 delay: float = 0.0):
+        self.token, self.reject_with, self.hold, self.held, self.delay = token, reject_with, hold, False, delay
         self.files: dict[str, int] = {}  # the repo as the commits left it: path -> size
+        self.lfs: dict[str, bytes] = {}  # uploaded LFS objects by sha256
         super().__init__()
 
     def of_kind(self, kind: str) -> list[dict]:
@@ -132,6 +182,8 @@ class _OllamaHandler(_Handler):
             if digest != "sha256:" + hashlib.sha256(body).hexdigest():
                 return self._json(400, {"error": "digest mismatch"})
             ollama.blobs[digest] = len(body)
+            if len(body) < 1 << 20:
+                ollama.contents[digest] = body
             self.send_response(201)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -142,10 +194,21 @@ class _OllamaHandler(_Handler):
                        if d not in ollama.blobs]
             if missing:
                 return self._json(400, {"error": f"unknown blob {missing[0]}"})
+            files = request.get("files") or {}
+            if files and ("config.json" not in files or not {"tokenizer.json", "tokenizer.model"} & set(files)):
+                return self._json(400, {"error": "unknown model architecture: config.json and tokenizer files are required"})
+            if request.get("adapters") and files:  # like Ollama's converter: LoRA adapters for llama and gemma2 only
+                config = json.loads(ollama.contents[files["config.json"]])
+                if config["architectures"][0] not in ("LlamaForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM"):
+                    return self._json(400, {"error": "unsupported architecture"})
             ollama.record(kind="create", **request)
             return self._json(200, {"status": "success"})
         if self.path == "/api/push":
-            ollama.record(kind="push", **json.loads(body))
+            request = json.loads(body)
+            if "/" not in request["model"]:
+                return self._json(401, {"error": "you are not authorized to push to this namespace, create the model "
+                                                  "under a namespace you own"})
+            ollama.record(kind="push", **request)
             return self._json(200, {"status": "success"})
         self._json(404, {"error": f"no route {self.path}"})
 
@@ -155,6 +218,7 @@ class FakeOllama(_Server):
 
     def __init__(self):
         self.blobs: dict[str, int] = {}
+        self.contents: dict[str, bytes] = {}  # small blobs (config.json...), as the server would read them
         super().__init__()
 
     def creates(self) -> list[dict]:

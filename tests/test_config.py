@@ -121,3 +121,15 @@ def test_defaults_and_derived_values():
 def test_shipped_examples_are_valid(example):
     config = load_config(example)
     assert config.model_name and config.dataset
+
+
+def test_a_key_written_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("model_name: m\ndataset: d.jsonl\nlora_r: 8\nlearning_rate: 1e-4\nlora_r: 16\n")
+    result = CliRunner().invoke(app, ["train", str(path), "--cpu"])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: {path}: key 'lora_r' is written twice (lines 3 and 5); keep one"
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model_name: m\ndataset:\n  - name: a.jsonl\n    format: alpaca\n    format: sharegpt\n")
+    with pytest.raises(ConfigError, match=r"key 'format' is written twice \(lines 4 and 5\)"):
+        load_config(nested)

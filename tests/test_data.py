@@ -1,14 +1,17 @@
-"""Formats, prompt masking, truncation, local file types, concatenation and the preprocessing cache."""
+"""Formats, prompt masking, truncation that keeps the response, local file types, the cache and its statistics."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from praisonai_accel.chat_masking import plan_masking
 from praisonai_accel.config import DatasetSpec, parse_config
 from praisonai_accel.data import (
-    IGNORE_INDEX, DataError, PadCollator, ensure_chat_template, load_or_build, to_messages, tokenize_example,
+    IGNORE_INDEX, Conversation, DataError, PadCollator, cache_key, encode_chat, encode_text, ensure_chat_template,
+    load_or_build, to_conversation,
 )
 from praisonai_accel.demo import write_jsonl
 
@@ -22,8 +25,13 @@ def tokenizer(tiny_model):
     return tok
 
 
-def trained_text(example: dict, tokenizer) -> str:
-    return tokenizer.decode([t for t, l in zip(example["input_ids"], example["labels"]) if l != IGNORE_INDEX])
+def trained_text(example, tokenizer) -> str:
+    ids, labels = (example.input_ids, example.labels) if hasattr(example, "input_ids") else (example["input_ids"], example["labels"])
+    return tokenizer.decode([t for t, l in zip(ids, labels) if l != IGNORE_INDEX])
+
+
+def encode(conversation, tokenizer, max_len=512, **kw):
+    return encode_chat(conversation, tokenizer, plan_masking(tokenizer), max_len, **kw)
 
 
 def config_for(tmp_path, datasets, **kw):
@@ -33,11 +41,11 @@ def config_for(tmp_path, datasets, **kw):
 def test_alpaca_masks_the_prompt_and_trains_reply_plus_end_of_turn(tokenizer):
     spec = DatasetSpec(name="x", format="alpaca")
     for extra in ({"input": "ada bob"}, {"input": None}, {}):
-        messages = to_messages({"instruction": "repeat the words", "output": "ada bob", **extra}, "alpaca", spec)
-        example = tokenize_example(messages, tokenizer, 512, train_on_inputs=False)
+        item = to_conversation({"instruction": "repeat the words", "output": "ada bob", **extra}, "alpaca", spec)
+        example = encode(item, tokenizer)
         assert trained_text(example, tokenizer) == "ada bob<|im_end|>"
-        assert len(example["input_ids"]) == len(example["labels"])
-    assert messages[0]["content"] == "repeat the words"  # input None -> no empty "\n\n"
+        assert len(example.input_ids) == len(example.labels) and not example.truncated
+    assert item.messages[0]["content"] == "repeat the words"  # input None -> no empty "\n\n"
 
 
 def test_sharegpt_multi_turn_trains_every_assistant_turn_only(tokenizer):
@@ -46,32 +54,81 @@ def test_sharegpt_multi_turn_trains_every_assistant_turn_only(tokenizer):
         {"from": "gpt", "value": "1 plus 2 is 3"}, {"from": "human", "value": "add 2 and 2"},
         {"from": "gpt", "value": "2 plus 2 is 4"},
     ]}
-    messages = to_messages(row, "sharegpt", DatasetSpec(name="x"))
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
-    example = tokenize_example(messages, tokenizer, 512, train_on_inputs=False)
-    assert trained_text(example, tokenizer) == "1 plus 2 is 3<|im_end|>2 plus 2 is 4<|im_end|>"
+    item = to_conversation(row, "sharegpt", DatasetSpec(name="x"))
+    assert [m["role"] for m in item.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert trained_text(encode(item, tokenizer), tokenizer) == "1 plus 2 is 3<|im_end|>2 plus 2 is 4<|im_end|>"
+
+
+def test_messages_rows_carry_reasoning_tools_and_tool_turns():
+    row = {"messages": [
+        {"role": "user", "content": "weather in paris?"},
+        {"role": "assistant", "content": None, "thinking": "look it up",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+        {"role": "tool", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "sunny", "reasoning_content": None}],
+        "tools": json.dumps([{"type": "function", "function": {"name": "get_weather", "parameters": {}}}])}
+    item = to_conversation(row, "messages", DatasetSpec(name="x"))
+    assert item.tools[0]["function"]["name"] == "get_weather"
+    call = item.messages[1]
+    assert call["thinking"] == "look it up" and "content" not in call  # None values are left out
+    from praisonai_accel.chat_masking import normalize_message
+
+    normalized = normalize_message(call)
+    assert normalized["reasoning_content"] == normalized["thinking"] == "look it up"
+    assert normalized["tool_calls"][0]["function"]["arguments"] == {"city": "paris"}  # JSON strings become mappings
 
 
 def test_openai_messages_and_train_on_inputs(tokenizer):
     row = {"messages": [{"role": "user", "content": "what colour does ada like"}, {"role": "assistant", "content": "ada likes red"}]}
-    messages = to_messages(row, "messages", DatasetSpec(name="x", system_prompt="you know colours"))
-    assert messages[0] == {"role": "system", "content": "you know colours"}
-    full = tokenize_example(messages, tokenizer, 512, train_on_inputs=True)
-    assert full["labels"] == full["input_ids"]
+    item = to_conversation(row, "messages", DatasetSpec(name="x", system_prompt="you know colours"))
+    assert item.messages[0] == {"role": "system", "content": "you know colours"}
+    full = encode(item, tokenizer, train_on_inputs=True)
+    assert full.labels == full.input_ids
 
 
 def test_plain_text_trains_everything_and_ends_with_eos(tokenizer):
-    example = tokenize_example("ada likes red", tokenizer, 512, train_on_inputs=False)
-    assert example["input_ids"][-1] == tokenizer.eos_token_id and example["labels"] == example["input_ids"]
+    example = encode_text("ada likes red", tokenizer, 512)
+    assert example.input_ids[-1] == tokenizer.eos_token_id and example.labels == example.input_ids
 
 
-def test_truncation_to_max_seq_length(tokenizer):
-    messages = [{"role": "user", "content": "repeat the words"}, {"role": "assistant", "content": " ".join(["ada"] * 200)}]
-    example = tokenize_example(messages, tokenizer, 32, train_on_inputs=False)
-    assert len(example["input_ids"]) == len(example["labels"]) == 32
+def _long_conversation(turns: int, words: int) -> Conversation:
+    messages = [{"role": "system", "content": "be brief"}]
+    for turn in range(turns):
+        messages += [{"role": "user", "content": f"question {turn} " + "ada bob " * words},
+                     {"role": "assistant", "content": f"answer {turn} cy dee"}]
+    return Conversation(messages)
 
 
-def test_local_formats_are_concatenated_and_cached(tmp_path, tokenizer):
+def test_keep_response_drops_oldest_turns_then_cuts_the_user_turn_never_the_response(tokenizer):
+    conversation = _long_conversation(turns=3, words=30)
+    full = encode(conversation, tokenizer, 4096)
+    assert not full.truncated and len(full.input_ids) > 120
+    limit = len(full.input_ids) - 20  # one old exchange has to go
+    cut = encode(conversation, tokenizer, limit)
+    assert cut.truncated and len(cut.input_ids) <= limit
+    text = tokenizer.decode(cut.input_ids)
+    assert "question 0" not in text and "question 2" in text and "be brief" in text  # oldest first, system kept
+    assert trained_text(cut, tokenizer).endswith("answer 2 cy dee<|im_end|>")
+    tight = encode(conversation, tokenizer, 40)  # only the start of the last user turn can go
+    text = tokenizer.decode(tight.input_ids)
+    assert tight.truncated and len(tight.input_ids) <= 40 and "question 2" not in text and "bob" in text
+    assert trained_text(tight, tokenizer) == "answer 2 cy dee<|im_end|>"
+    dropped = encode(conversation, tokenizer, 8)  # even the response alone does not fit
+    assert dropped.dropped
+    right = encode(conversation, tokenizer, 40, truncation="right")
+    assert len(right.input_ids) == 40 and trained_text(right, tokenizer) == ""  # what plain right-truncation loses
+
+
+def test_keep_response_with_the_real_phi3_tokenizer(phi3_tokenizer):
+    conversation = Conversation([{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 300},
+                                 {"role": "assistant", "content": "A cat sat on a mat."}])
+    example = encode(conversation, phi3_tokenizer, 256)
+    assert example.truncated and len(example.input_ids) <= 256
+    assert trained_text(example, phi3_tokenizer).strip() == "A cat sat on a mat.<|end|><|endoftext|>"
+    assert phi3_tokenizer.decode(example.input_ids).startswith("<|user|>")
+
+
+def test_local_formats_are_concatenated_cached_and_counted(tmp_path, tokenizer):
     import pandas as pd
 
     write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 3, tmp_path / "a.jsonl")
@@ -81,25 +138,44 @@ def test_local_formats_are_concatenated_and_cached(tmp_path, tokenizer):
     (tmp_path / "e.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "bob"}]}]))
     specs = [{"name": str(tmp_path / n)} for n in ("a.jsonl", "b.csv", "c.parquet", "d.txt", "e.json")]
     config = config_for(tmp_path, specs)
-    data, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    data, stats, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
     assert not cached and len(data) == 3 + 2 + 1 + 2 + 1
+    assert [d.examples for d in stats.datasets] == [3, 2, 1, 2, 1] and all(d.dropped == 0 for d in stats.datasets)
     assert trained_text(data[3], tokenizer) == "2 plus 2 is 4<|im_end|>"
     assert trained_text(data[6], tokenizer).startswith("ada likes red")
-    again, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
-    assert cached and again["input_ids"] == data["input_ids"]
-    # Editing a source file invalidates the cache.
+    again, stats_again, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    assert cached and [again[i]["input_ids"].tolist() for i in range(len(again))] == \
+        [data[i]["input_ids"].tolist() for i in range(len(data))]
+    assert stats_again == stats  # cached runs report the same statistics
     write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 4, tmp_path / "a.jsonl")
-    changed, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
-    assert not cached and len(changed) == 10
+    changed, _, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    assert not cached and len(changed) == 10  # editing a source file invalidates the cache
 
 
-def test_num_samples_and_examples_without_targets_are_dropped(tmp_path, tokenizer):
-    rows = [{"instruction": "repeat the words " * 40, "input": "", "output": "ada"}] + \
+def test_cache_key_changes_with_tokenizer_and_max_seq_length(tmp_path, tokenizer):
+    import copy
+
+    config = config_for(tmp_path, [{"name": "x.jsonl"}])
+    other_template = copy.deepcopy(tokenizer)
+    other_template.chat_template = tokenizer.chat_template + " "
+    keys = {cache_key(config.dataset, tokenizer, config), cache_key(config.dataset, other_template, config),
+            cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], max_seq_length=64)),
+            cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], truncation="right"))}
+    assert len(keys) == 4
+
+
+def test_dropped_and_truncated_examples_are_counted_and_warned(tmp_path, tokenizer):
+    rows = [{"instruction": "repeat the words " * 40, "input": "", "output": "ada " * 8}] * 3 + \
            [{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 5
     write_jsonl(rows, tmp_path / "a.jsonl")
-    config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 4}], max_seq_length=24)
-    data, _ = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
-    assert len(data) == 3  # 4 sampled, the over-long prompt leaves no reply token within 24
+    config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=24)
+    data, stats, _ = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    (d,) = stats.datasets
+    assert (d.rows, d.examples, d.dropped) == (7, 4, 3) and len(data) == 4  # the response alone exceeds 24 tokens
+    assert any("3 of 7 examples (43%) dropped" in w for w in stats.warnings())
+    keep = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=48)
+    _, stats, _ = load_or_build(keep.dataset, tokenizer, keep, tmp_path / "cache")
+    assert (stats.datasets[0].truncated, stats.datasets[0].dropped) == (3, 0)  # now the replies fit: prompts are cut
 
 
 @pytest.mark.parametrize(
@@ -117,11 +193,18 @@ def test_bad_data_is_a_clear_error(tmp_path, tokenizer, content, spec, message):
         load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
 
 
-def test_unsupported_file_type(tmp_path, tokenizer):
-    (tmp_path / "data.xml").write_text("<a/>")
-    config = config_for(tmp_path, [{"name": str(tmp_path / "data.xml")}])
-    with pytest.raises(DataError, match="unsupported file type '.xml'"):
-        load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+def test_masking_problems_found_on_the_sample_are_reported(tmp_path, tokenizer):
+    """A template that leaves the end-of-turn token out of the reply: the sample check names it."""
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                          "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 4, tmp_path / "a.jsonl")
+    config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl")}])
+    _, stats, _ = load_or_build(config.dataset, bare, config, tmp_path / "cache")
+    assert stats.datasets[0].masking_problems.startswith("the end-of-turn token after an assistant reply is not trained")
+    assert any("chat template custom (rendered spans)" in w for w in stats.warnings())
 
 
 def test_collator_pads_right_and_masks_padding():
@@ -129,6 +212,9 @@ def test_collator_pads_right_and_masks_padding():
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    packed = PadCollator(0)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 0, 1]},
+                             {"input_ids": [8], "labels": [8], "position_ids": [0]}])
+    assert packed["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]]  # padding forms a sequence of its own
 
 
 def test_fallback_template_for_tokenizers_without_one(tokenizer):
@@ -137,8 +223,7 @@ def test_fallback_template_for_tokenizers_without_one(tokenizer):
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     ensure_chat_template(bare)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ada"}]
-    example = tokenize_example(messages, bare, 64, train_on_inputs=False)
+    example = encode(Conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ada"}]), bare)
     assert trained_text(example, bare).startswith("ada<|im_end|>")
 
 
@@ -155,3 +240,14 @@ def test_length_grouped_sampler_is_a_shuffle_sorted_within_windows():
     assert list(sampler) == order  # deterministic for a seed and epoch
     sampler.set_epoch(1)
     assert list(sampler) != order
+
+
+def test_tokenized_dataset_selects_and_splits_without_copying():
+    from praisonai_accel.tokenized import TokenizedDataset
+
+    data = TokenizedDataset.from_columns([[1, 2], [3], [4, 5, 6], [7]], [[-100, 2], [3], [-100, 5, 6], [7]],
+                                         [False, True, False, False], [0, 0, 1, 1])
+    assert data.lengths == [2, 1, 3, 1] and data[2]["input_ids"].tolist() == [4, 5, 6]
+    train, test = data.split(0.25, seed=0)
+    assert len(test) == 1 and sorted(train.index.tolist() + test.index.tolist()) == [0, 1, 2, 3]
+    assert data.select([3, 1]).lengths == [1, 1] and np.shares_memory(data.select([0]).input_ids, data.input_ids)

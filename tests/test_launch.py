@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from praisonai_accel.accelerate_config import build_accelerate_config, write_yaml_atomic
 from praisonai_accel.cli import app
 from praisonai_accel.config import parse_config
-from praisonai_accel.launch import LaunchError, free_port, launch, parse_gpus, plan_launch
+from praisonai_accel.launch import LaunchError, Nodes, free_port, launch, parse_gpus, plan_launch
 
-from conftest import REPO, cli, write_config
+from conftest import REPO, cli, run, write_config
 
 
 @pytest.mark.parametrize(
@@ -84,10 +84,33 @@ def test_user_accelerate_config_is_used_as_is_and_never_rewritten(tmp_path):
     assert user.read_text() == before and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name,count", [("single_gpu.yaml", 1), ("multi_gpu.yaml", 2)])
-def test_shipped_templates_match_the_generator(name, count):
+@pytest.mark.parametrize("name,count,fsdp", [("single_gpu.yaml", 1, False), ("multi_gpu.yaml", 2, False),
+                                             ("fsdp2.yaml", 2, True)])
+def test_shipped_templates_match_the_generator(name, count, fsdp):
     shipped = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
-    assert shipped == build_accelerate_config(count, "bf16")
+    assert shipped == build_accelerate_config(count, "bf16", fsdp=fsdp)
+
+
+def test_fsdp_plan_writes_an_fsdp2_config(tmp_path):
+    plan = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=2, mixed_precision="bf16", fsdp=True)
+    assert plan.accelerate_config["distributed_type"] == "FSDP"
+    assert plan.accelerate_config["fsdp_config"]["fsdp_version"] == 2
+    single = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=1, fsdp=True)  # FSDP even on one GPU
+    assert single.generated_config and single.accelerate_config["distributed_type"] == "FSDP"
+
+
+def test_restarts_use_a_rendezvous_that_keys_every_round_apart(tmp_path):
+    """torchrun's static rendezvous keeps one store across restarts (restarted workers can read stale addresses)."""
+    single = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=2, cpu=True, max_restarts=1)
+    assert single.command[single.command.index("--rdzv_backend") + 1] == "c10d"
+    assert single.env["PET_RDZV_ENDPOINT"].startswith("127.0.0.1:")  # torchrun's own variable for its endpoint
+    assert single.command[single.command.index("--max_restarts") + 1] == "1"
+    assert single.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a fresh store for every attempt
+    static = plan_launch(Path("c.yaml"), _config(tmp_path), num_processes=2, cpu=True, max_restarts=1,
+                         nodes=Nodes(2, rank=1, main_addr="10.0.0.1", main_port=29400))
+    assert static.command[static.command.index("--rdzv_backend") + 1] == "c10d"
+    assert static.accelerate_config["main_process_ip"] == "10.0.0.1"
+    assert static.accelerate_config["main_process_port"] == 29400 and static.accelerate_config["rdzv_backend"] == "c10d"
 
 
 def test_free_port_is_bindable():
@@ -120,13 +143,36 @@ def test_asking_for_more_gpus_than_exist_is_a_clear_error(tmp_path, tiny_model, 
     assert result.stderr.strip() == "error: --gpus 4: only 0 CUDA GPU(s) visible on this machine"
 
 
-def test_config_command_writes_and_refuses_to_overwrite(tmp_path):
+def test_config_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch):
+    from praisonai_accel.commands import config as config_module
+
+    monkeypatch.setattr(config_module, "count_cuda_gpus", lambda: 4)  # a machine with 4 GPUs, bf16-capable
+    monkeypatch.setattr(config_module, "bf16_supported", lambda: True)
     target = tmp_path / "acc.yaml"
+    result = CliRunner().invoke(app, ["config", "--gpus", "0,2", "--output", str(target)])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(target.read_text()) == build_accelerate_config(2, "bf16", "0,2")
     target.write_text("keep me\n")
     result = CliRunner().invoke(app, ["config", "--gpus", "1", "--output", str(target)])
     assert result.exit_code == 2 and "already exists" in result.output and target.read_text() == "keep me\n"
+    result = CliRunner().invoke(app, ["config", "--gpus", "all", "--mixed-precision", "fp16", "--output", str(target), "--force"])
+    assert result.exit_code == 0 and yaml.safe_load(target.read_text()) == build_accelerate_config(4, "fp16", "all")
+    monkeypatch.setattr(config_module, "count_cuda_gpus", lambda: 0)
     result = CliRunner().invoke(app, ["config", "--gpus", "all", "--output", str(tmp_path / "x.yaml")])
     assert result.exit_code == 2 and "no CUDA GPU is visible" in result.output
+
+
+def test_a_users_accelerate_config_runs_a_real_two_process_job(tmp_path, tiny_model, alpaca_file):
+    user = tmp_path / "my_accelerate.yaml"
+    write_yaml_atomic(build_accelerate_config(2, "no"), user)
+    before = user.read_text()
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2)
+    result = cli("train", str(config), "--cpu", "--accelerate-config", str(user))
+    assert result.returncode == 0, result.stderr[-3000:]
+    from conftest import read_summary
+
+    assert read_summary(tmp_path / "out")["num_processes"] == 2
+    assert user.read_text() == before and not list((tmp_path / "out").glob("accelerate_config*.yaml"))
 
 
 def test_write_yaml_atomic_leaves_no_temp_files(tmp_path):
@@ -137,7 +183,6 @@ def test_write_yaml_atomic_leaves_no_temp_files(tmp_path):
 
 def test_help_does_not_import_torch():
     code = "import sys; from praisonai_accel.cli import app; print('torch' in sys.modules)"
-    from conftest import run
 
     result = run([sys.executable, "-c", code])
     assert result.stdout.strip() == "False"
@@ -162,3 +207,10 @@ def test_demo_command_trains_on_two_cpu_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "over 8 steps on 2 processes" in result.stdout
     assert (tmp_path / "demo" / "outputs" / "lora_model" / "adapter_model.safetensors").is_file()
+
+
+def test_gpu_benchmark_script_parses_and_refuses_without_a_gpu():
+    script = REPO / "bench" / "gpu.sh"
+    assert run(["bash", "-n", str(script)]).returncode == 0
+    result = run(["bash", str(script)], timeout=120)
+    assert result.returncode != 0 and "no CUDA GPU visible" in result.stderr

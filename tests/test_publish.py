@@ -6,6 +6,9 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -13,9 +16,9 @@ import torch
 
 from praisonai_accel.config import parse_config
 from praisonai_accel.hub import HubPublisher, model_card
-from praisonai_accel.ollama_publish import go_template, recipe_for, stop_tokens
+from praisonai_accel.ollama_publish import recipe_for
 
-from conftest import cli, cpu_env, load_adapter, read_summary, write_config
+from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
 from fake_servers import FakeHub, FakeOllama
 
 TOKEN = "hf_TESTsecretTOKEN0123456789"
@@ -23,7 +26,7 @@ TWO = ("--cpu", "--num-processes", "2")
 
 
 def hub_env(hub: FakeHub, token: str | None = TOKEN, **extra) -> dict:
-    env = cpu_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", **extra)
+    env = cpu_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1", **extra)  # binaries take the LFS path
     env.pop("HF_TOKEN", None)
     if token:
         env["HF_TOKEN"] = token
@@ -45,7 +48,7 @@ def trained(tmp_path_factory, tiny_model, alpaca_file) -> Path:
 
 
 def test_two_process_run_pushes_once_from_rank_0_and_creates_the_ollama_model(tmp_path, tiny_model, alpaca_file):
-    with FakeHub() as hub, FakeOllama() as ollama:
+    with FakeHub(token=TOKEN) as hub, FakeOllama() as ollama:
         config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, push_to_hub=True,
                               hub_model_id="me/tiny-lora", ollama_model="tiny-lora:test")
         result = cli("train", str(config), *TWO, env=hub_env(hub, OLLAMA_HOST=ollama.url))
@@ -70,10 +73,10 @@ def test_two_process_run_pushes_once_from_rank_0_and_creates_the_ollama_model(tm
 
 
 def test_rejected_push_keeps_local_files_and_says_so(tmp_path, tiny_model, alpaca_file):
-    with FakeHub(reject_with=401) as hub:
+    with FakeHub(token=TOKEN, reject_with=401) as hub:
         config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=3, push_to_hub=True, hub_model_id="me/x",
                               save_steps=3)
-        result = cli("train", str(config), *TWO, env=hub_env(hub))
+        result = cli("train", str(config), env=hub_env(hub))
     assert result.returncode != 0
     assert "error: push to me/x failed (End of training)" in result.stderr and "401" in result.stderr
     assert "the trained model is safe in" in result.stderr
@@ -83,7 +86,7 @@ def test_rejected_push_keeps_local_files_and_says_so(tmp_path, tiny_model, alpac
 
 
 def test_missing_token_pushes_nothing_and_fails_after_training(tmp_path, tiny_model, alpaca_file):
-    with FakeHub() as hub:
+    with FakeHub(token=TOKEN) as hub:
         config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, push_to_hub=True, hub_model_id="me/x")
         result = cli("train", str(config), env=hub_env(hub, token=None))
         assert hub.of_kind("commit") == [] and hub.of_kind("create") == []
@@ -93,25 +96,74 @@ def test_missing_token_pushes_nothing_and_fails_after_training(tmp_path, tiny_mo
 
 
 def test_all_checkpoints_strategy_pushes_each_checkpoint_in_order(tmp_path, tiny_model, alpaca_file):
-    with FakeHub() as hub:
+    """The first commit is held until rotation has deleted checkpoint-2 locally: the push still carries it whole,
+    from the hard-linked snapshot, with its binaries through LFS."""
+    release = threading.Event()
+    with FakeHub(token=TOKEN, hold=release) as hub:
         config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2, save_total_limit=1,
                               push_to_hub=True, hub_model_id="me/x", hub_strategy="all_checkpoints")
-        result = cli("train", str(config), *TWO, env=hub_env(hub))
-        assert result.returncode == 0, result.stderr[-3000:]
+        proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config)],
+                                env=hub_env(hub), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 180
+        while not (tmp_path / "out" / "checkpoint-4" / "COMPLETE").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert not (tmp_path / "out" / "checkpoint-2").exists(), "rotation had not deleted checkpoint-2 yet"
+        release.set()
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr[-3000:]
         commits = hub.of_kind("commit")
     assert [c["summary"] for c in commits] == ["Checkpoint checkpoint-2", "Checkpoint checkpoint-4", "End of training"]
-    # checkpoint-2 was rotated away locally right after it was saved, yet was pushed whole.
-    assert "checkpoint-2/COMPLETE" in commits[0]["files"] and "checkpoint-2/optimizer.bin" in commits[0]["files"]
-    assert not (tmp_path / "out" / "checkpoint-2").exists()
+    first = commits[0]["files"]
+    assert "checkpoint-2/COMPLETE" in first and "checkpoint-2/optimizer.bin" in first
+    assert json.loads(first["checkpoint-2/praisonai_state.json"])["global_step"] == 2
+    assert {"checkpoint-2/model.safetensors", "checkpoint-2/optimizer.bin"} <= set(commits[0]["lfs"])  # binaries via LFS
+    assert first["checkpoint-2/model.safetensors"][:8] != b"\0" * 8 and len(first["checkpoint-2/model.safetensors"]) > 1000
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".push-")]  # snapshots cleaned up
 
 
+def test_pushes_run_in_the_background_without_delaying_steps_or_other_ranks(tmp_path, tiny_model, alpaca_file):
+    with FakeHub(token=TOKEN, delay=3.0) as hub:  # every commit takes 3 s
+        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=6, save_steps=2, logging_steps=1,
+                              push_to_hub=True, hub_model_id="me/x", hub_strategy="every_save")
+        result = cli("train", str(config), *TWO, env=hub_env(hub))
+        assert result.returncode == 0, result.stderr[-3000:]
+        commits = hub.of_kind("commit")
+    assert len(commits) == 4  # three saves and the end
+    steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
+    assert max(m["step_seconds"] for m in steps) < 2.0  # a synchronous push would add 3 s to steps 3, 5...
+    assert steps[-1]["time"] < commits[1]["finished"]  # training was over before the second push had landed
+    done = [line for line in (tmp_path / "out" / "logs" / "rank-1.log").read_text().splitlines() if "rank 1 done" in line]
+    rank1_exit = datetime.strptime(done[-1][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert rank1_exit < commits[-1]["finished"] - 2  # rank 1 left long before rank 0's last push finished
+
+
+def test_the_fake_hub_refuses_a_missing_or_wrong_token_on_every_endpoint(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "model.safetensors").write_bytes(b"x" * 100)
+    with FakeHub(token=TOKEN) as hub:
+        for token in (None, "hf_wrong"):
+            api = HfApi(endpoint=hub.url, token=token or False)
+            for call in (lambda: api.create_repo("me/x", exist_ok=True),
+                         lambda: api.upload_folder(repo_id="me/x", folder_path=str(tmp_path / "f")),
+                         lambda: api.list_repo_files("me/x")):
+                with pytest.raises(HfHubHTTPError) as error:
+                    call()
+                assert error.value.response.status_code == 401
+        assert hub.of_kind("create") == hub.of_kind("commit") == [] and all(r.get("rejected") for r in hub.requests)
+
+
 def test_checkpoint_strategy_keeps_one_last_checkpoint_folder(tmp_path, tiny_model, alpaca_file):
-    with FakeHub() as hub:
+    with FakeHub(token=TOKEN) as hub:
         hub.files["last-checkpoint/stale-from-an-older-run.bin"] = 1
         config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, save_steps=2, push_to_hub=True,
                               hub_model_id="me/x", hub_strategy="checkpoint")
-        result = cli("train", str(config), *TWO, env=hub_env(hub))
+        result = cli("train", str(config), env=hub_env(hub))
         assert result.returncode == 0, result.stderr[-3000:]
         commits, files = hub.of_kind("commit"), hub.files
     assert [c["summary"] for c in commits] == ["Checkpoint checkpoint-2", "Checkpoint checkpoint-4", "End of training"]
@@ -171,38 +223,14 @@ def test_modelfile_for_the_tiny_chatml_model(trained, tiny_model):
     assert recipe.modelfile() == (
         f"FROM {tiny_model.resolve()}\n"
         f"ADAPTER {trained.resolve()}\n"
-        'TEMPLATE """{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}'
-        "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
-        '<|im_start|>assistant\n{{ .Response }}<|im_end|>"""\n'
+        'TEMPLATE """{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ else }}{{ end }}'
+        '{{ range .Messages }}{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n'
+        '{{ else if eq .Role "assistant" }}{{ .Content }}<|im_end|>\n{{ end }}{{ end }}"""\n'
         'PARAMETER stop "<|im_end|>"\n'
         'PARAMETER stop "<|im_start|>"\n'
     )
     assert set(recipe.adapter_files) == {"adapter_model.safetensors", "adapter_config.json"}
     assert "model.safetensors" in recipe.files and "tokenizer.json" in recipe.files
-
-
-def test_go_template_for_a_llama3_style_template():
-    class Tok:
-        eos_token, pad_token, bos_token = "<|eot_id|>", None, "<|begin_of_text|>"
-        all_special_tokens = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
-        added_tokens_decoder = {}
-
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            from jinja2 import Template
-
-            return Template(
-                "{{ '<|begin_of_text|>' }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-            ).render(messages=messages, add_generation_prompt=add_generation_prompt)
-
-    template = go_template(Tok())
-    assert template == (
-        "{{ if .System }}<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{{ .System }}<|eot_id|>"
-        "{{ else }}<|begin_of_text|>{{ end }}"
-        "{{ if .Prompt }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Prompt }}<|eot_id|>{{ end }}"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n{{ .Response }}<|eot_id|>"
-    )
-    assert stop_tokens(Tok(), template) == ["<|eot_id|>", "<|end_header_id|>", "<|start_header_id|>"]
 
 
 def test_publish_ollama_command_uploads_blobs_and_creates(trained, tiny_model):
@@ -216,17 +244,21 @@ def test_publish_ollama_command_uploads_blobs_and_creates(trained, tiny_model):
     assert create["adapters"] == {"adapter_model.safetensors": digest(trained / "adapter_model.safetensors"),
                                   "adapter_config.json": digest(trained / "adapter_config.json")}
     assert create["parameters"]["stop"] == ["<|im_end|>", "<|im_start|>"]
-    assert "{{ .Prompt }}" in create["template"]
+    assert create["template"] == recipe_for(trained).template and "{{ range .Messages }}" in create["template"]
     assert (trained / "Modelfile").read_text().startswith(f"FROM {tiny_model.resolve()}")
 
 
 def test_publish_ollama_from_an_ollama_model_uploads_only_the_adapter(trained):
     with FakeOllama() as ollama:
-        result = cli("publish", "ollama", str(trained), "--name", "t:1", "--from", "llama3.2:1b", "--push", "--host", ollama.url)
+        result = cli("publish", "ollama", str(trained), "--name", "me/t:1", "--from", "llama3.2:1b", "--push", "--host", ollama.url)
         assert result.returncode == 0, result.stderr[-2000:]
         (create,) = ollama.creates()
         assert create["from"] == "llama3.2:1b" and "files" not in create and len(create["adapters"]) == 2
-        assert [r["model"] for r in ollama.requests if r.get("kind") == "push"] == ["t:1"]
+        assert [r["model"] for r in ollama.requests if r.get("kind") == "push"] == ["me/t:1"]
+        refused = cli("publish", "ollama", str(trained), "--name", "t:1", "--from", "llama3.2:1b", "--push", "--host", ollama.url)
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert refused.returncode == 2 and len(errors) == 1 and "not authorized to push to this namespace" in errors[0]
+        assert "Traceback" not in refused.stderr
 
 
 def test_ollama_down_is_one_line(trained):
@@ -256,14 +288,33 @@ def test_merge_gives_the_same_logits_as_base_plus_adapter(trained, tmp_path):
 
 
 def test_generate_and_chat_answer_with_the_trained_model(trained):
-    from praisonai_accel.inference import generate, load_for_inference
-
     result = cli("generate", str(trained), "-p", "add 2 and 3", "-p", "repeat the words", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr[-2000:]
-    model, tokenizer = load_for_inference(trained, device="cpu")
-    expected = [generate(model, tokenizer, [{"role": "user", "content": p}], 8).replace("\n", " ")
-                for p in ("add 2 and 3", "repeat the words")]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def greedy(model, tokenizer, prompt: str) -> str:
+        """An independent decode: argmax token by token, no generate()."""
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+        ids, new = torch.tensor([ids]), []
+        with torch.no_grad():
+            for _ in range(8):
+                token = int(model(input_ids=ids).logits[0, -1].argmax())
+                if token == tokenizer.eos_token_id:
+                    break
+                new.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        return tokenizer.decode(new, skip_special_tokens=True).strip().replace("\n", " ")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(trained))
+    base_name = json.loads((trained / "adapter_config.json").read_text())["base_model_name_or_path"]
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_name), str(trained)).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_name).eval()
+    prompts = ("add 2 and 3", "repeat the words")
+    expected = [greedy(tuned, tokenizer, p) for p in prompts]
     assert result.stdout.splitlines() == expected
+    assert [greedy(base, tokenizer, p) for p in prompts] != expected  # the adapter is really applied
     chat = subprocess.run([sys.executable, "-m", "praisonai_accel", "chat", str(trained), "--max-new-tokens", "8"],
                           input="add 2 and 3\n\n", capture_output=True, text=True, env=cpu_env(), timeout=120)
     assert chat.returncode == 0 and chat.stdout.splitlines() == expected[:1]
@@ -271,23 +322,23 @@ def test_generate_and_chat_answer_with_the_trained_model(trained):
     assert missing.returncode == 2 and "no such directory" in missing.stderr
 
 
-def test_go_template_keeps_a_default_system_prompt_when_none_is_given():
-    from jinja2 import Template
+def test_ollama_merges_first_for_architectures_its_converter_cannot_take(tmp_path, alpaca_file):
+    """Ollama converts safetensors LoRA adapters only for Llama-family and Gemma 2 bases: a Qwen3-MoE adapter is merged
+    and the model created from the merged weights, said in one line."""
+    from conftest import make_architecture
 
-    class Tok:
-        eos_token, pad_token, bos_token = "<|im_end|>", None, None
-        all_special_tokens, added_tokens_decoder = ["<|im_end|>", "<|im_start|>"], {}
-
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            return Template(
-                "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-            ).render(messages=messages, add_generation_prompt=add_generation_prompt)
-
-    assert go_template(Tok()) == (
-        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n"
-        "{{ else }}<|im_start|>system\nYou are helpful.<|im_end|>\n{{ end }}"
-        "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
-        "<|im_start|>assistant\n{{ .Response }}<|im_end|>"
-    )
+    base = make_architecture(tmp_path / "qwen3-moe", "qwen3_moe")
+    config = write_config(tmp_path, base, alpaca_file, max_steps=2)
+    assert cli("train", str(config)).returncode == 0
+    adapter = tmp_path / "out" / "lora_model"
+    with FakeOllama() as ollama:
+        result = cli("publish", "ollama", str(adapter), "--name", "qwen-moe:test", "--host", ollama.url)
+        assert result.returncode == 0, result.stderr[-2000:]
+        (create,) = ollama.creates()
+    assert "adapters" not in create and {"config.json", "tokenizer.json", "model.safetensors"} <= set(create["files"])
+    merged = tmp_path / "out" / "lora_model-merged"
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    digest = "sha256:" + hashlib.sha256((merged / "model.safetensors").read_bytes()).hexdigest()
+    assert create["files"]["model.safetensors"] == digest
+    assert "merged the adapter into" in result.stderr and "not Qwen3MoeForCausalLM" in result.stderr
+    assert (adapter / "Modelfile").read_text().startswith(f"FROM {merged.resolve()}\n")

@@ -7,7 +7,8 @@ from typing import NoReturn
 
 import typer
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")  # the keys of config.LOCAL_DATA_LOADERS
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -26,8 +27,28 @@ def check_local_inputs(config) -> None:
         fail(f"model_name: no such directory '{config.model_name}'")
     for key in ("dataset", "eval_dataset"):
         for index, spec in enumerate(getattr(config, key) or []):
-            if looks_local(spec.name) and not Path(spec.name).expanduser().exists():
+            path = Path(spec.name).expanduser()
+            if looks_local(spec.name) and not path.exists():
                 fail(f"{key}[{index}].name: no such file or directory '{spec.name}'")
+            if path.is_file() and path.suffix.lower() not in LOCAL_SUFFIXES:
+                fail(f"{key}[{index}].name: unsupported file type '{path.suffix}' (use {', '.join(LOCAL_SUFFIXES)})")
+
+
+def check_trackers(config) -> None:
+    """A tracker asked for in report_to whose package is missing: one line, before anything starts."""
+    import importlib.util
+
+    for tracker in config.trackers:
+        if importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is None:
+            fail(f"report_to: {tracker} is not installed; pip install 'praisonai-accel[{tracker}]'")
+
+
+def check_device_map(config, num_processes: int) -> None:
+    from ..config import MULTI_DEVICE_MAPS
+
+    if num_processes > 1 and isinstance(config.device_map, str) and config.device_map in MULTI_DEVICE_MAPS:
+        fail(f"device_map: '{config.device_map}' spreads one model over several GPUs and cannot be used with "
+             f"{num_processes} DDP processes; remove device_map to load the full model on each rank's GPU")
 
 
 def check_resume(config, num_processes: int) -> str:
@@ -65,3 +86,52 @@ def bf16_supported() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def tokenized_or_fail(config):
+    """The tokenizer and the tokenized datasets exactly as training sees them (the same cache), or one line."""
+    from ..data import DataError, ensure_chat_template, load_datasets
+    from ..errors import first_line
+    from ..model import load_tokenizer
+
+    quiet_tokenizing()
+    try:
+        tokenizer = load_tokenizer(config)
+    except (OSError, ValueError) as exc:
+        fail(f"model_name: cannot load the tokenizer of '{config.tokenizer_name or config.model_name}': {first_line(exc)}")
+    ensure_chat_template(tokenizer, config.chat_template)
+    try:
+        return (tokenizer, *load_datasets(config, tokenizer))
+    except DataError as exc:
+        fail(str(exc))
+
+
+def quiet_tokenizing() -> None:
+    import os
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def show_progress_lines() -> None:
+    """Our one-line notes on stderr; the libraries' progress bars and chatter off."""
+    import logging
+    import os
+
+    quiet_tokenizing()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logger = logging.getLogger("praisonai_accel")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:
+        pass

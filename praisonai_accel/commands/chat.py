@@ -9,12 +9,13 @@ from typing import List, Optional
 import typer
 
 from ..errors import first_line
-from ._common import fail
+from ._common import fail, show_progress_lines
 
 
 def _load(path: Path):
     from ..inference import ModelDirError, load_for_inference
 
+    show_progress_lines()
     try:
         return load_for_inference(path)
     except (ModelDirError, OSError, ValueError) as exc:

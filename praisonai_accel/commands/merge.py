@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import first_line
-from ._common import fail
+from ._common import fail, show_progress_lines
 
 
 def merge_command(
@@ -19,6 +19,7 @@ def merge_command(
     """Merge the LoRA adapter into the base model; save safetensors + tokenizer."""
     from ..inference import ModelDirError, merge_adapter, resolve_model_dir
 
+    show_progress_lines()
     try:
         adapter = resolve_model_dir(path)
         target = to or adapter.with_name(adapter.name + "-merged")

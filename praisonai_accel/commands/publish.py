@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import fail
+from ._common import fail, show_progress_lines
 
 publish_app = typer.Typer(help="Publish a trained model.", no_args_is_help=True)
 
@@ -25,6 +25,7 @@ def ollama_command(
     from ..inference import resolve_model_dir
     from ..ollama_publish import publish
 
+    show_progress_lines()
     try:
         model_dir = resolve_model_dir(path)
         modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host)

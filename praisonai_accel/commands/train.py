@@ -9,7 +9,10 @@ import typer
 import yaml
 
 from ..errors import first_line
-from ._common import bf16_supported, check_local_inputs, check_resume, count_cuda_gpus, fail, load_config_or_fail
+from ._common import (
+    bf16_supported, check_device_map, check_local_inputs, check_resume, check_trackers, count_cuda_gpus, fail,
+    load_config_or_fail,
+)
 
 
 def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[int], available_gpus) -> tuple[int, Optional[list[int]]]:
@@ -26,45 +29,86 @@ def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[in
     return parse_gpus(gpus, available_gpus())
 
 
+def resolve_nodes(nnodes: int, node_rank: Optional[int], main_addr: Optional[str], main_port: Optional[int],
+                  rdzv_endpoint: Optional[str]):
+    from ..launch import Nodes
+
+    if nnodes == 1:
+        if node_rank or main_addr or rdzv_endpoint:
+            fail("--node-rank, --main-addr and --rdzv-endpoint need --nnodes greater than 1")
+        return Nodes()
+    if rdzv_endpoint:
+        if node_rank is not None or main_addr:
+            fail("--rdzv-endpoint assigns ranks itself: leave out --node-rank and --main-addr")
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            fail(f"--rdzv-endpoint {rdzv_endpoint}: expected HOST:PORT")
+        return Nodes(count=nnodes, rdzv_endpoint=rdzv_endpoint)
+    if node_rank is None or not main_addr:
+        fail(f"--nnodes {nnodes}: give --node-rank R and --main-addr HOST (static), or --rdzv-endpoint HOST:PORT (c10d)")
+    if not 0 <= node_rank < nnodes:
+        fail(f"--node-rank {node_rank}: must be between 0 and {nnodes - 1}")
+    return Nodes(count=nnodes, rank=node_rank, main_addr=main_addr, main_port=main_port)
+
+
 def train_command(
     config: Path = typer.Argument(..., help="config.yaml describing model, data and hyperparameters"),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="number of GPUs, 'all', or ids such as 0,1"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs on this node: a count, 'all', or ids such as 0,1"),
     cpu: bool = typer.Option(False, "--cpu", help="train on CPU processes (gloo), e.g. to try a config"),
-    num_processes: Optional[int] = typer.Option(None, "--num-processes", min=1, help="processes to start with --cpu"),
-    accelerate_config: Optional[Path] = typer.Option(None, "--accelerate-config", help="use this accelerate config file as is (multi-node, FSDP, DeepSpeed)"),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes", min=1, help="processes on this node with --cpu"),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="machines in the job; run this command on each"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this machine's rank (static rendezvous)"),
+    main_addr: Optional[str] = typer.Option(None, "--main-addr", help="address of node 0 (static rendezvous)"),
+    main_port: Optional[int] = typer.Option(None, "--main-port", help="port on node 0 (default 29500)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of a c10d rendezvous: the same command on every node"),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="restart failed workers up to K times; they resume from the latest checkpoint"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="shard the model with FSDP2 (GPUs only)"),
+    accelerate_config: Optional[Path] = typer.Option(None, "--accelerate-config", help="use this accelerate config file as is (DeepSpeed, custom FSDP)"),
+    verbose: bool = typer.Option(False, "--verbose", help="show the libraries' own output (progress bars, per-rank warnings)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and launch command, run nothing"),
 ) -> None:
     """Fine-tune a model as described by CONFIG."""
-    from ..distributed import resolve_mixed_precision
+    from ..distributed import VERBOSE_ENV, resolve_mixed_precision
     from ..launch import LaunchError, launch, plan_launch
 
     cfg = load_config_or_fail(config)
     check_local_inputs(cfg)
+    check_trackers(cfg)
     if accelerate_config is not None and not accelerate_config.is_file():
         fail(f"--accelerate-config: no such file '{accelerate_config}'")
+    if accelerate_config is not None and (nnodes > 1 or fsdp):
+        fail("--accelerate-config is used as is: put the machines and FSDP settings in it instead of --nnodes/--fsdp")
+    nodes = resolve_nodes(nnodes, node_rank, main_addr, main_port, rdzv_endpoint)
     try:
-        world, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
+        per_node, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
+        if fsdp and cpu:
+            typer.echo("warning: --fsdp: Accelerate runs FSDP only on GPUs; on CPU processes this run is plain DDP", err=True)
         # Only a generated multi-GPU accelerate config records the precision; the training module decides anyway.
-        on_gpus = not cpu and world > 1 and accelerate_config is None
+        on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
         precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and bf16_supported())
-        plan = plan_launch(config, cfg, num_processes=world, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
-                           accelerate_config_file=accelerate_config)
+        plan = plan_launch(config, cfg, num_processes=per_node, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
+                           accelerate_config_file=accelerate_config, nodes=nodes, max_restarts=max_restarts, fsdp=fsdp)
     except (LaunchError, ValueError, OSError, yaml.YAMLError) as exc:
         fail(first_line(exc))
+    if verbose:
+        plan.env[VERBOSE_ENV] = "1"
 
+    check_device_map(cfg, plan.num_processes)
     start = check_resume(cfg, plan.num_processes)
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     effective = f"{per_device} x {accum} x {plan.num_processes} = {per_device * accum * plan.num_processes}"
     if dry_run:
         typer.echo("# resolved config")
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
-        typer.echo(f"# processes: {plan.num_processes}")
+        typer.echo(f"# processes: {plan.num_processes}" + (f" ({per_node} per node x {nodes.count} nodes)" if nodes.count > 1 else ""))
         typer.echo(f"# effective batch (per device x accumulation x processes): {effective}")
         typer.echo(f"# start: {start}")
         if plan.generated_config:
             typer.echo(f"# accelerate config to write: {plan.accelerate_config_path}")
+            typer.echo(yaml.safe_dump(plan.accelerate_config, sort_keys=True).rstrip())
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
-    typer.echo(f"launching {plan.num_processes} process(es), effective batch {effective}", err=True)
+    where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
+    typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)
     raise typer.Exit(launch(plan))

@@ -1,0 +1,23 @@
+"""praisonai-accel report OUTPUT_DIR: what a run did (finished, running or interrupted), and a fresh loss plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ._common import fail
+
+
+def report_command(output_dir: Path = typer.Argument(..., help="a training output_dir")) -> None:
+    """A table of the run and output_dir/loss.png, read from its files alone."""
+    from ..report import read_run, write_loss_plot
+
+    if not output_dir.is_dir():
+        fail(f"{output_dir}: no such directory")
+    run = read_run(output_dir)
+    width = max(len(name) for name, _ in run.rows())
+    for name, value in run.rows():
+        typer.echo(f"{name:<{width}}  {value}")
+    plot = write_loss_plot(output_dir)
+    typer.echo(f"{'plot':<{width}}  {plot if plot else 'no training steps logged yet'}")

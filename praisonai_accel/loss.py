@@ -1,0 +1,202 @@
+"""The training loss: summed next-token cross-entropy over target tokens, without full-vocabulary logits.
+
+With a 128k-token vocabulary the LM head is most of a step: B x T x V fp32 logits (and as much again
+for their gradient) for positions that are mostly prompt or padding and never trained. Here the head
+is applied only at target positions (labels != -100), a chunk of them at a time, and each chunk's
+gradient is computed right away, so only one chunk of logits ever exists and backward does no
+recompute. Same loss and gradients as cross-entropy over the model's logits.
+
+`CausalLMLoss` is the module Accelerate prepares: its forward runs the decoder and the loss, so
+DDP sees every parameter the loss uses. Before training, `verify_head` checks that the decoder +
+head reproduce the model's own logits (softcapping and logit scaling included); a model where they
+do not is trained through its full logits instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .chat_masking import IGNORE_INDEX
+
+log = logging.getLogger("praisonai_accel")
+
+CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MiB in fp32 whatever the vocabulary
+
+
+def full_logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The reference: summed cross-entropy over the model's full logits (labels shifted, not logits)."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(head(h_i), y_i) over rows of h, a chunk at a time; gradients are made in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, softcap: float | None, scale: float | None):
+        needs_hidden = hidden.requires_grad
+        needs_weight = weight.requires_grad
+        needs_bias = bias is not None and bias.requires_grad
+        compute = hidden.dtype
+        w = weight if weight.dtype == compute else weight.to(compute)
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk):
+            h = hidden[start:start + chunk]
+            y = targets[start:start + chunk]
+            logits = (h @ w.t()).float()
+            if bias is not None:
+                logits += bias.float()
+            if scale is not None:
+                logits *= scale
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            # log-sum-exp and softmax in the logits' own memory: one chunk-sized buffer, no temporaries
+            target_logits = logits.gather(1, y[:, None]).squeeze(1)
+            peak = logits.max(dim=-1, keepdim=True).values
+            grad = logits.sub_(peak).exp_()
+            norm = grad.sum(dim=-1, keepdim=True)
+            total += (peak.squeeze(1) + norm.squeeze(1).log() - target_logits).sum()
+            if not (needs_hidden or needs_weight or needs_bias):
+                continue
+            grad.div_(norm)  # softmax
+            grad[torch.arange(y.numel(), device=y.device), y] -= 1
+            if softcap is not None:
+                grad *= 1 - capped * capped
+            if scale is not None:
+                grad *= scale
+            if needs_bias:
+                grad_bias += grad.sum(0)
+            grad = grad.to(compute)
+            if needs_hidden:
+                grad_hidden[start:start + chunk] = grad @ w
+            if needs_weight:
+                grad_weight += (grad.t() @ h).float()
+        ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
+        ctx.present = (needs_hidden, needs_weight, needs_bias)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = iter(ctx.saved_tensors)
+        needs_hidden, needs_weight, needs_bias = ctx.present
+        grad_hidden = next(saved) * grad_output if needs_hidden else None
+        grad_weight = (next(saved) * grad_output).to(ctx.weight_dtype) if needs_weight else None
+        grad_bias = next(saved) * grad_output if needs_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunked_loss_sum(hidden, weight, bias, targets, softcap=None, scale=None) -> torch.Tensor:
+    chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, softcap, scale)
+
+
+def _transformers_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _head_settings(config) -> tuple[float | None, float | None]:
+    """Final-logit softcapping (Gemma 2/3) and logit scaling (Cohere), wherever the config keeps them."""
+    configs = [config, getattr(config, "text_config", None)]
+    softcap = next((c.final_logit_softcapping for c in configs if getattr(c, "final_logit_softcapping", None)), None)
+    scale = next((c.logit_scale for c in configs if getattr(c, "logit_scale", None) not in (None, 1, 1.0)), None)
+    return softcap, scale
+
+
+class CausalLMLoss(nn.Module):
+    """Decoder + loss in one forward. `causal_lm` is the model being trained (a PeftModel for LoRA)."""
+
+    def __init__(self, causal_lm: nn.Module, chunked: bool = True, liger=None):
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.chunked = chunked
+        base = _transformers_model(causal_lm)
+        self.softcap, self.scale = _head_settings(base.config)
+        # liger-kernel's LigerFusedLinearCrossEntropyLoss, for heads without softcapping or scaling
+        self.liger = liger if self.softcap is None and self.scale is None else None
+        attn = getattr(base.config, "_attn_implementation", "") or ""
+        self.flash = attn.startswith("flash") or "kernels-community" in attn
+
+    # The decoder and head live inside causal_lm; they are looked up, not registered twice.
+    def _decoder(self):
+        base = _transformers_model(self.causal_lm)
+        return getattr(base, base.base_model_prefix)
+
+    def _head(self):
+        return _transformers_model(self.causal_lm).get_output_embeddings()
+
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None) -> torch.Tensor:
+        if position_ids is not None:  # packed rows: the mask comes from the restarting position ids
+            attention_mask = None
+            if self.flash:  # varlen flash-attention reads one packed row
+                input_ids, labels, position_ids = (t.reshape(1, -1) for t in (input_ids, labels, position_ids))
+        if not self.chunked:
+            logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).logits
+            return full_logits_loss_sum(logits, labels)
+        hidden = self._decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        where = targets != IGNORE_INDEX
+        hidden, targets = hidden[where], targets[where]
+        head = self._head()
+        if self.liger is not None:
+            return self.liger(head.weight, hidden, targets, head.bias)
+        return chunked_loss_sum(hidden, head.weight, head.bias, targets, self.softcap, self.scale)
+
+
+def verify_head(module: CausalLMLoss, token_ids: list[int], device) -> bool:
+    """Do decoder + head (+ softcap/scale) give the model's own logits? Checked on a few tokens of plain text
+    (ordinary tokens: a multimodal model's image token without an image would fail for another reason)."""
+    causal_lm = module.causal_lm
+    ids = torch.tensor([token_ids[:16]], device=device)
+    was_training = causal_lm.training
+    causal_lm.eval()
+    try:
+        with torch.no_grad():
+            expected = causal_lm(input_ids=ids, use_cache=False).logits.float()
+            hidden = module._decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            head = module._head()
+            logits = (hidden @ head.weight.to(hidden.dtype).t()).float()
+            if head.bias is not None:
+                logits += head.bias.float()
+            if module.scale is not None:
+                logits *= module.scale
+            if module.softcap is not None:
+                logits = torch.tanh(logits / module.softcap) * module.softcap
+    except Exception as exc:  # an architecture whose decoder cannot be called on its own
+        log.info("chunked loss: %s; using the model's full logits", type(exc).__name__)
+        return False
+    finally:
+        causal_lm.train(was_training)
+    tolerance = 1e-4 if expected.dtype == torch.float32 and hidden.dtype == torch.float32 else 5e-2
+    return logits.shape == expected.shape and bool(torch.allclose(logits, expected, atol=tolerance, rtol=tolerance))
+
+
+def load_liger(requested, use_cuda: bool):
+    """liger-kernel's fused linear cross-entropy, when asked for (true) or available with a GPU (auto)."""
+    from .config import ConfigError
+
+    if requested is False:
+        return None
+    if not use_cuda:
+        if requested is True:
+            raise ConfigError("use_liger: true needs a CUDA GPU, and none is visible; set use_liger: auto or false")
+        return None
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:
+        if requested is True:
+            raise ConfigError(f"use_liger: true, but liger-kernel cannot be imported ({type(exc).__name__}); "
+                              "pip install 'praisonai-accel[liger]'") from None
+        return None
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)

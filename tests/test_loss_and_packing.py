@@ -1,0 +1,156 @@
+"""The chunked LM-head loss against cross-entropy over full logits, and packing's isolation proof, in process,
+on tiny random models of real architectures (Llama with a 128k vocabulary, Gemma 2 with logit softcapping,
+Gemma 3 with sliding-window attention, Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from praisonai_accel import loss as loss_module
+from praisonai_accel.data import PadCollator
+from praisonai_accel.loss import CausalLMLoss, chunked_loss_sum, verify_head
+from praisonai_accel.packing import PackedDataset, best_fit_decreasing
+from praisonai_accel.tokenized import TokenizedDataset
+
+LLAMA3_VOCAB = 128256
+
+
+def tiny(kind: str, vocab: int = 512, attn: str = "sdpa"):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    config = {
+        "llama": lambda: tf.LlamaConfig(**common),
+        "gemma2": lambda: tf.Gemma2Config(**common, head_dim=16, final_logit_softcapping=3.0, sliding_window=8),
+        "gemma3": lambda: tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=4, final_logit_softcapping=None),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**{**common, "intermediate_size": 64}, moe_intermediate_size=32,
+                                               num_experts=4, num_experts_per_tok=2, head_dim=16),
+    }[kind]()
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    cls = tf.Gemma3ForCausalLM if kind == "gemma3" else tf.AutoModelForCausalLM
+    model = cls.from_config(config) if cls is tf.AutoModelForCausalLM else cls(config)
+    return model.float().eval()
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    return model
+
+
+def examples(count: int, vocab: int, seed: int = 0, low: int = 3, high: int = 40) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        n = rng.randint(low, high)
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        prompt = rng.randint(1, n - 1)
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+def loss_and_grads(module, batch):
+    module.zero_grad(set_to_none=True)
+    total = module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids"))
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return total.detach(), grads
+
+
+def assert_close_grads(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys() and a
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, worst
+
+
+@pytest.mark.parametrize("kind,vocab,attn", [("llama", LLAMA3_VOCAB, "sdpa"), ("gemma2", 512, "eager"), ("qwen3_moe", 512, "sdpa")])
+def test_chunked_loss_has_the_same_loss_and_gradients_as_full_logits(kind, vocab, attn, monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", vocab * 7)  # several chunks per batch
+    model = lora(tiny(kind, vocab, attn))
+    chunked, full = CausalLMLoss(model, chunked=True), CausalLMLoss(model, chunked=False)
+    assert verify_head(chunked, list(range(3, 19)), "cpu")
+    assert (chunked.softcap is not None) == (kind == "gemma2")
+    batch = PadCollator(0)(examples(3, vocab))
+    loss_c, grads_c = loss_and_grads(chunked, batch)
+    loss_f, grads_f = loss_and_grads(full, batch)
+    assert abs(loss_c.item() - loss_f.item()) <= 1e-5 * max(1.0, loss_f.item())
+    assert_close_grads(grads_c, grads_f, 1e-5)
+
+
+def test_chunked_loss_trains_a_full_lm_head_and_bias_like_autograd():
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    bias = torch.randn(300, requires_grad=True)
+    targets = torch.randint(0, 300, (23,))
+    for softcap, scale in ((None, None), (5.0, None), (None, 0.25)):
+        got = chunked_loss_sum(hidden, weight, bias, targets, softcap, scale)
+        grads = torch.autograd.grad(got * 2, (hidden, weight, bias))
+        logits = hidden @ weight.t() + bias
+        logits = logits * scale if scale else logits
+        logits = torch.tanh(logits / softcap) * softcap if softcap else logits
+        expected = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        reference = torch.autograd.grad(expected * 2, (hidden, weight, bias))
+        assert abs(got.item() - expected.item()) <= 1e-4
+        for g, r in zip(grads, reference):
+            assert (g - r).abs().max().item() <= 1e-4
+
+
+def test_a_head_that_is_not_a_plain_projection_falls_back_to_full_logits():
+    model = tiny("llama")
+    module = CausalLMLoss(model)
+    module.scale = 2.0  # what the model does not do: decoder + head no longer reproduce its logits
+    assert not verify_head(module, list(range(3, 19)), "cpu")
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "sdpa"), ("qwen3_moe", "sdpa")])
+def test_packed_examples_have_exactly_their_unpacked_loss_and_gradients(kind, attn):
+    """The isolation proof: examples packed into rows (position ids restarting, no 2-D mask) give the loss and
+    gradients they give one per row. Gemma 3's sliding window (4 tokens here) must compose with the packing."""
+    vocab = 512
+    model = lora(tiny(kind, vocab, attn))
+    module = CausalLMLoss(model)
+    rows = examples(12, vocab, seed=3)
+    unpacked = PadCollator(0)(rows)
+    lengths = [len(r["input_ids"]) for r in rows]
+    data = TokenizedDataset.from_columns([r["input_ids"] for r in rows], [r["labels"] for r in rows],
+                                         [False] * len(rows), [0] * len(rows))
+    packed_rows = PackedDataset(data, lengths, capacity=64)
+    assert len(packed_rows) < len(rows)  # really packed
+    packed = PadCollator(0)([packed_rows[i] for i in range(len(packed_rows))])
+    loss_u, grads_u = loss_and_grads(module, unpacked)
+    loss_p, grads_p = loss_and_grads(module, packed)
+    assert abs(loss_u.item() - loss_p.item()) <= 1e-5 * loss_u.item()
+    assert_close_grads(grads_u, grads_p, 1e-5)
+    # and the same rows with a plain causal mask (no restarting positions) do see each other
+    crossing = dict(packed)
+    crossing.pop("position_ids")
+    assert abs(module(crossing["input_ids"], crossing["labels"], crossing["attention_mask"]).item() - loss_u.item()) > 1e-3
+
+
+def test_best_fit_decreasing_fills_rows():
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 400) for _ in range(2000)]
+    rows = best_fit_decreasing(lengths, 512)
+    assert sorted(i for row in rows for i in row) == list(range(2000))
+    assert all(sum(lengths[i] for i in row) <= 512 for row in rows)
+    padding = 1 - sum(lengths) / (len(rows) * 512)
+    assert padding <= 0.02, padding
+    assert best_fit_decreasing(lengths, 512) == rows  # deterministic: every rank builds the same rows
+
+
+def test_packed_row_never_trains_across_examples():
+    data = TokenizedDataset.from_columns([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], [False, False], [0, 0])
+    row = PackedDataset(data, [3, 2], capacity=8)[0]
+    assert row["input_ids"].tolist() == [1, 2, 3, 4, 5]
+    assert row["labels"].tolist() == [-100, 2, 3, -100, 5]  # each example's first token is nobody's target
+    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1]
+    assert np.asarray(row["labels"]).dtype == np.int64

@@ -1,0 +1,188 @@
+"""Several "machines" on localhost: static and c10d rendezvous, a node dying, resume, the SLURM script,
+self-healing restarts and the shared-filesystem check. Every node is a real CLI process with --cpu."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from praisonai_accel.launch import free_port
+
+from conftest import cli, cpu_env, load_adapter, read_summary, write_config
+from test_checkpoint import wait_for_step
+from test_training import _workers_of
+
+# Dropout on: a resumed or restarted run matches only if every rank's RNG state comes back too.
+RUN = dict(max_steps=12, per_device_train_batch_size=2, lora_dropout=0.1, logging_steps=1, save_steps=1)
+
+
+def node(config: Path, *flags: str, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu", "--num-processes", "1",
+                             "--nnodes", "2", *flags], env=cpu_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def two_nodes(config: Path, mode: str, port: int | None = None, **env) -> list[subprocess.Popen]:
+    port = port or free_port()
+    if mode == "static":
+        return [node(config, "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", str(port), **env)
+                for rank in (0, 1)]
+    return [node(config, "--rdzv-endpoint", f"127.0.0.1:{port}", **env) for _ in (0, 1)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+    return [(p.wait(timeout=timeout), p.communicate()[1]) for p in procs]
+
+
+def max_diff(a: Path, b: Path) -> float:
+    wa, wb = load_adapter(a / "lora_model"), load_adapter(b / "lora_model")
+    assert wa.keys() == wb.keys()
+    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def one_node_two_processes(tmp_path_factory, tiny_model, alpaca_file) -> Path:
+    directory = tmp_path_factory.mktemp("one-node")
+    result = cli("train", str(write_config(directory, tiny_model, alpaca_file, **RUN)), "--cpu", "--num-processes", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory / "out"
+
+
+@pytest.mark.parametrize("mode", ["static", "c10d"])
+def test_two_nodes_give_the_one_node_adapter(tmp_path, tiny_model, alpaca_file, one_node_two_processes, mode):
+    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    results = finish(two_nodes(config, mode))
+    assert [code for code, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    summary = read_summary(tmp_path / "out")
+    assert summary["num_processes"] == 2 and summary["weights_in_sync"]
+    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
+    if mode == "static":  # each node writes its own launch config into the shared output_dir
+        assert {p.name for p in (tmp_path / "out").glob("accelerate_config*.yaml")} == {
+            "accelerate_config.node-0.yaml", "accelerate_config.node-1.yaml"}
+
+
+def test_a_dead_node_ends_the_job_and_both_nodes_resume_exactly(tmp_path, tiny_model, alpaca_file, one_node_two_processes):
+    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    port = free_port()
+    procs = two_nodes(config, "static", port)
+    wait_for_step(tmp_path / "out", 4, procs[0])
+    victims = [pid for pid in _workers_of(config) if "praisonai_accel.train" in Path(f"/proc/{pid}/cmdline").read_text()
+               and "\0RANK=1\0" in _environ(pid)]
+    assert len(victims) == 1, "the second node's worker"
+    killed = time.time()
+    os.kill(victims[0], signal.SIGKILL)
+    results = finish(procs, timeout=60)
+    assert time.time() - killed < 60 and all(code != 0 for code, _ in results)
+    deadline = time.time() + 20
+    while _workers_of(config) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _workers_of(config), "processes left on a node"
+    assert "Traceback" not in results[0][1] + results[1][1]
+    resumed = finish(two_nodes(config, "static", free_port()))
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:]
+    assert "resumed from" in resumed[0][1] + resumed[1][1]
+    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
+
+
+def _environ(pid: int) -> str:
+    try:
+        return "\0" + Path(f"/proc/{pid}/environ").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_max_restarts_heals_a_killed_worker_and_matches_the_uninterrupted_run(tmp_path, tiny_model, alpaca_file,
+                                                                              one_node_two_processes):
+    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu", "--num-processes", "2",
+                             "--max-restarts", "1"], env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(tmp_path / "out", 5, proc)
+        worker = next(pid for pid in _workers_of(config) if "\0RANK=1\0" in _environ(pid))
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+    finally:  # a hung restart must not outlive the test
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stderr
+    final, reference = load_adapter(tmp_path / "out" / "lora_model"), load_adapter(one_node_two_processes / "lora_model")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)  # bitwise
+
+
+def test_slurm_script_runs_its_per_node_commands_on_a_simulated_two_node_allocation(tmp_path, tiny_model, alpaca_file,
+                                                                                   one_node_two_processes):
+    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    result = cli("slurm", str(config), "--nodes", "2", "--gpus-per-node", "1", "--cpu", "--time", "01:00:00",
+                 "--partition", "gpu", "--job-name", "t")
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(result.stdout)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = result.stdout
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --signal=TERM@300" in text and "--requeue" in text
+    assert "NODE_COMMAND='" in text and "$SLURM_NODEID" in text  # single-quoted: expanded on each node
+    # srun and scontrol stand-ins: srun runs the task once per node with that node's SLURM_* variables
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n[ \"$1\" = show ] && echo localhost\n")
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\nnodes=$SLURM_NNODES\nargs=()\nfor a in \"$@\"; do case $a in --nodes=*) nodes=${a#--nodes=};; "
+        "--*) ;; *) args+=(\"$a\");; esac; done\npids=()\nfor ((i=0; i<nodes; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i "
+        "\"${args[@]}\" & pids+=($!); done\nstatus=0\nfor p in \"${pids[@]}\"; do wait $p || status=$?; done\nexit $status\n")
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod(0o755)
+    port = free_port()
+    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost",
+                  SLURM_JOB_ID=str(port - 20000))
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "node 0 of 2" in run.stdout and "node 1 of 2" in run.stdout
+    assert "cached in" in run.stdout  # preprocessing ran once, before training
+    assert read_summary(tmp_path / "out")["global_step"] == RUN["max_steps"]
+    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
+
+
+def test_multi_node_dry_run_and_bad_flags(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file)
+    dry = cli("train", str(config), "--cpu", "--num-processes", "2", "--nnodes", "3", "--node-rank", "2",
+              "--main-addr", "10.1.2.3", "--main-port", "29600", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "# processes: 6 (2 per node x 3 nodes)" in dry.stdout
+    assert "num_processes: 6" in dry.stdout and "machine_rank: 2" in dry.stdout and "main_process_ip: 10.1.2.3" in dry.stdout
+    assert "effective batch (per device x accumulation x processes): 4 x 1 x 6 = 24" in dry.stdout
+    for flags, message in [
+        (["--nnodes", "2"], "give --node-rank R and --main-addr HOST"),
+        (["--nnodes", "2", "--node-rank", "2", "--main-addr", "h"], "--node-rank 2: must be between 0 and 1"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
+        (["--node-rank", "1"], "need --nnodes greater than 1"),
+    ]:
+        bad = cli("train", str(config), "--cpu", *flags)
+        assert bad.returncode == 2 and message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_output_dir_not_shared_between_nodes_is_one_line(tmp_path, tiny_model, alpaca_file):
+    """Node 1 sees its own private output_dir (a tmpfs mounted over it in its own mount namespace)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
+        pytest.skip("unshare --mount is not permitted here")
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2)
+    (tmp_path / "out").mkdir()
+    port = free_port()
+    first = node(config, "--node-rank", "0", "--main-addr", "127.0.0.1", "--main-port", str(port))
+    private = f"mount -t tmpfs tmpfs {tmp_path / 'out'} && exec " + " ".join(
+        [sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu", "--num-processes", "1", "--nnodes", "2",
+         "--node-rank", "1", "--main-addr", "127.0.0.1", "--main-port", str(port)])
+    second = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "bash", "-c", private], env=cpu_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = finish([first, second])
+    assert all(code != 0 for code, _ in results)
+    message = "output_dir must be on storage all nodes share"
+    assert message in results[0][1] and results[0][1].count("error:") == 1, results[0][1][-2000:]

@@ -229,6 +229,17 @@ def count_targets(labels) -> int:
     return sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
 
+def quiet_datasets() -> None:
+    """No progress bars and errors only from `datasets`, which reads these variables when it is imported."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+
+
+def batch_targets(batch) -> int:
+    """count_targets over a padded batch (padding is IGNORE_INDEX, so it never counts)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
 # ---------------------------------------------------------------- the training set
 
 def ensure_chat_template(tokenizer, override: str | None = None) -> None:

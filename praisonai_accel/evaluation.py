@@ -9,7 +9,7 @@ def evaluate(accelerator, loss_module, eval_data, collate, batch_size: int) -> f
     """Token-normalised loss over the whole eval set; each sample is scored by exactly one rank, no padding duplicates."""
     import torch
 
-    from .data import count_targets
+    from .data import batch_targets
 
     rank, world = accelerator.process_index, accelerator.num_processes
     shard = eval_data.select(range(rank, len(eval_data), world))
@@ -21,7 +21,7 @@ def evaluate(accelerator, loss_module, eval_data, collate, batch_size: int) -> f
             rows = [shard[i] for i in range(start, min(start + batch_size, len(shard)))]
             batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
             loss_sum += loss_module(batch["input_ids"], batch["labels"], batch["attention_mask"]).double()
-            targets += sum(count_targets(row["labels"]) for row in rows)
+            targets += batch_targets(batch)
     loss_module.train()
     totals = accelerator.reduce(torch.stack([loss_sum, targets]), "sum")
     return float(totals[0] / totals[1].clamp(min=1))

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-IGNORE_INDEX = -100
 _ARRAYS = ("input_ids", "labels", "offsets", "truncated", "source")
 
 

@@ -26,7 +26,9 @@ from typing import Iterator
 
 from . import checkpoint as ckpt
 from .config import ConfigError, TrainConfig
-from .data import LengthGroupedSampler, PadCollator, ensure_chat_template, load_datasets, report_stats
+from .data import (
+    LengthGroupedSampler, PadCollator, batch_targets, ensure_chat_template, load_datasets, quiet_datasets, report_stats,
+)
 from .distributed import VERBOSE_ENV, DistEnv, resolve_mixed_precision
 from .evaluation import evaluate, record_evaluation
 from .hub import model_card
@@ -68,10 +70,6 @@ def warmup_steps(config: TrainConfig, total_steps: int) -> int:
 def micro_batch_groups(batches: Iterator, size: int) -> Iterator[list]:
     while group := list(itertools.islice(batches, size)):
         yield group
-
-
-def batch_targets(batch) -> int:
-    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 def parameter_digest(model) -> str:
@@ -127,9 +125,7 @@ def quiet_libraries(verbose: bool) -> None:
         return
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    # datasets is imported only when tokenizing; it reads these when it loads
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    quiet_datasets()
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     for noisy in ("torch.distributed", "torch.nn.parallel", "peft", "bitsandbytes", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -8,7 +8,6 @@ from typing import NoReturn
 import typer
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")  # the keys of config.LOCAL_DATA_LOADERS
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -38,8 +37,8 @@ def check_trackers(config) -> None:
     """A tracker asked for in report_to whose package is missing: one line, before anything starts."""
     import importlib.util
 
-    for tracker in config.trackers:
-        if importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is None:
+    for tracker in config.trackers:  # each tracker's module has its name (mlflow-skinny installs `mlflow`)
+        if importlib.util.find_spec(tracker) is None:
             fail(f"report_to: {tracker} is not installed; pip install 'praisonai-accel[{tracker}]'")
 
 
@@ -109,8 +108,9 @@ def tokenized_or_fail(config):
 def quiet_tokenizing() -> None:
     import os
 
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    from ..data import quiet_datasets
+
+    quiet_datasets()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 

@@ -17,6 +17,7 @@ def preview_command(
     """Tokenize exactly as training will (same cache) and show examples with the trained tokens highlighted."""
     from rich.console import Console
 
+    from ..chat_masking import IGNORE_INDEX
     from ..preview import dataset_rows, histogram, marked_text
 
     cfg = load_config_or_fail(config)
@@ -28,7 +29,7 @@ def preview_command(
     legend = "trained tokens in green" if colour else "trained tokens between [[ and ]]"
     for index in range(min(examples, len(data))):
         row = data[index]
-        trained = int((row["labels"] != -100).sum())
+        trained = int((row["labels"] != IGNORE_INDEX).sum())
         show(f"--- example {index + 1} of {len(data)}: {len(row['input_ids'])} tokens, {trained} trained ({legend})")
         show(marked_text(tokenizer, row["input_ids"], row["labels"], colour))
     for row in dataset_rows(data, stats):

@@ -32,9 +32,9 @@ RESUMABLE_KEYS = {
     "max_steps", "num_train_epochs", "logging_steps", "save_strategy", "save_steps", "save_total_limit",
     "resume_from_checkpoint", "overwrite_output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
-    "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "mixed_precision", "output_dir",
-    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
-    "report_to", "run_name", "use_liger", "chunked_loss",
+    "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
+    "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
+    "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss",
 }
 
 
@@ -73,6 +73,7 @@ class TrainConfig(_Strict):
     train_on_inputs: bool = False
     chat_template: str | None = None
     dataset_num_proc: int | None = Field(default=None, gt=0)
+    dataset_prepared_path: str | None = None  # the preprocessing cache; default output_dir/.cache/preprocessed
     group_by_length: bool = False  # batch samples of similar length: far less padding, same sequence for any layout
     group_by_length_window: int = Field(default=256, gt=0)
     truncation: Literal["keep_response", "right"] = "keep_response"
@@ -118,6 +119,7 @@ class TrainConfig(_Strict):
     report_to: Union[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"],
                      list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = "none"
     run_name: str | None = None
+    plot_loss: bool = True  # output_dir/loss.png at the end of training (LLaMA-Factory's key)
 
     # checkpoints and resume
     save_strategy: Literal["no", "steps", "epoch"] | None = None  # default: "steps" if save_steps is set, else "no"

@@ -410,6 +410,10 @@ def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cach
 
 
 def cache_dir(config: TrainConfig) -> Path:
+    """Where tokenized datasets are kept: entries are keyed by everything that shapes them, so one directory can
+    serve many runs and output directories."""
+    if config.dataset_prepared_path:
+        return Path(config.dataset_prepared_path)
     return config.output_path() / ".cache" / "preprocessed"
 
 

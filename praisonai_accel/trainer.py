@@ -583,11 +583,12 @@ class Recipe:
             log.info("saved %s to %s", "adapter" if config.uses_lora else "model", final_dir)
             if not summary["weights_in_sync"]:
                 log.warning("ranks finished with different weights: %s", digests)
-            from .report import write_loss_plot
+            if config.plot_loss:
+                from .report import write_loss_plot
 
-            plot = write_loss_plot(self.output_dir)
-            if plot is not None:
-                log.info("loss plot: %s", plot)
+                plot = write_loss_plot(self.output_dir)
+                if plot is not None:
+                    log.info("loss plot: %s", plot)
         accelerator.wait_for_everyone()
         with self._quiet_stdout():
             accelerator.end_training()

@@ -43,7 +43,24 @@ def alpaca_file(tmp_path_factory) -> Path:
     return write_jsonl(demo_records(64), tmp_path_factory.mktemp("data") / "alpaca.jsonl")
 
 
+_SHARED_PREPARED: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_preprocessing_cache(tmp_path_factory) -> Path:
+    """One dataset_prepared_path for the session: runs that tokenize the same data the same way (most of them)
+    read one cache entry instead of each importing `datasets` and tokenizing again."""
+    _SHARED_PREPARED[:] = [tmp_path_factory.mktemp("prepared")]
+    return _SHARED_PREPARED[0]
+
+
 def write_config(directory: Path, model: Path, data: Path, **overrides) -> Path:
+    """dataset_prepared_path=None keeps the default cache, inside output_dir. No loss plot unless asked for (its
+    matplotlib import and drawing would add about a second to every run; the tracker test draws one)."""
+    overrides.setdefault("plot_loss", False)
+    overrides.setdefault("dataset_prepared_path", str(_SHARED_PREPARED[0]) if _SHARED_PREPARED else None)
+    if overrides["dataset_prepared_path"] is None:
+        del overrides["dataset_prepared_path"]
     raw = demo_config(model, data, directory / "out", **overrides)
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -108,3 +125,14 @@ def make_architecture(directory: Path, kind: str) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return Path(directory)
+
+
+# The modules with the most real training runs, slowest first. `pytest -n 2 --dist loadfile` hands whole modules
+# to the two workers in collection order; starting with the longest ones lets both workers finish together.
+SLOWEST_MODULES = ["test_checkpoint.py", "test_training.py", "test_multinode.py", "test_publish.py",
+                   "test_user_experience.py", "test_features.py", "test_qlora.py", "test_launch.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: position for position, name in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its own order

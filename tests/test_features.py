@@ -1,5 +1,5 @@
 """README claims, each exercised by a real run: LoRA options, schedules, evaluation strategies, aliases, full
-fine-tuning, explicit resume paths, run identity on resume, the preprocessing cache, and publishing failures.
+fine-tuning, explicit resume paths, run identity on resume, the preprocessing cache, and the seed's Hub keys.
 Runs are shared between assertions so the suite stays short."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def feature_run(tmp_path_factory, tiny_model, alpaca_file):
         lora_target_modules="all-linear", use_rslora=True, weight_decay=0.1, warmup_ratio=0.5, warmup_steps=0,
         lr_scheduler_type="linear", learning_rate=1e-2, use_gradient_checkpointing=True, val_split_ratio=0.25,
         eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="loss",
-        logging_steps=1).read_text())
+        logging_steps=1, dataset_prepared_path=None).read_text())
     raw.update({"huggingface_save": True, "hf_model_name": "me/features"})
     config = directory / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -144,19 +144,13 @@ def test_resume_from_an_explicit_checkpoint_with_more_processes_and_refusals(tmp
     assert ckpt.latest_complete(out).name == "checkpoint-6"  # refusing touched nothing
 
 
-def test_a_failed_ollama_create_during_training_is_exit_code_4(tmp_path, tiny_model, alpaca_file):
-    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, ollama_model="tiny:test")
-    result = cli("train", str(config), env=cpu_env(OLLAMA_HOST="http://127.0.0.1:9"))
-    assert result.returncode == 4, result.stderr[-2000:]
-    assert "error: ollama: could not create tiny:test" in result.stderr and "the trained model is safe in" in result.stderr
-    assert (tmp_path / "out" / "lora_model" / "adapter_model.safetensors").is_file()
-
-
 def test_preprocess_preview_and_train_share_one_cache(tmp_path, tiny_model, alpaca_file):
-    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, max_seq_length=40)
+    prepared = tmp_path / "prepared"  # dataset_prepared_path: the cache outside output_dir
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, max_seq_length=40,
+                          dataset_prepared_path=str(prepared))
     pre = cli("preprocess", str(config))
     assert pre.returncode == 0, pre.stderr
-    assert "64 of 64 examples" in pre.stdout and f"cached in {tmp_path / 'out' / '.cache' / 'preprocessed'}" in pre.stdout
+    assert "64 of 64 examples" in pre.stdout and f"cached in {prepared}" in pre.stdout
     preview = cli("preview", str(config), "-n", "2")
     assert preview.returncode == 0, preview.stderr
     out = preview.stdout
@@ -165,4 +159,4 @@ def test_preprocess_preview_and_train_share_one_cache(tmp_path, tiny_model, alpa
     assert "(from the cache; training reads the same cache)" in out
     train = cli("train", str(config))
     assert train.returncode == 0 and "(cached)" in train.stderr
-    assert len(list((tmp_path / "out" / ".cache" / "preprocessed").iterdir())) == 1
+    assert len(list(prepared.iterdir())) == 1 and not (tmp_path / "out" / ".cache").exists()

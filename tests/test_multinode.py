@@ -30,12 +30,11 @@ def node(config: Path, *flags: str, **env) -> subprocess.Popen:
                             text=True)
 
 
-def two_nodes(config: Path, mode: str, port: int | None = None, **env) -> list[subprocess.Popen]:
-    port = port or free_port()
-    if mode == "static":
-        return [node(config, "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", str(port), **env)
-                for rank in (0, 1)]
-    return [node(config, "--rdzv-endpoint", f"127.0.0.1:{port}", **env) for _ in (0, 1)]
+def two_nodes(config: Path, **env) -> list[subprocess.Popen]:
+    """Static rendezvous: --node-rank and --main-addr (the SLURM test covers c10d, --rdzv-endpoint)."""
+    port = free_port()
+    return [node(config, "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", str(port), **env)
+            for rank in (0, 1)]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
@@ -56,23 +55,10 @@ def one_node_two_processes(tmp_path_factory, tiny_model, alpaca_file) -> Path:
     return directory / "out"
 
 
-@pytest.mark.parametrize("mode", ["static", "c10d"])
-def test_two_nodes_give_the_one_node_adapter(tmp_path, tiny_model, alpaca_file, one_node_two_processes, mode):
-    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
-    results = finish(two_nodes(config, mode))
-    assert [code for code, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
-    summary = read_summary(tmp_path / "out")
-    assert summary["num_processes"] == 2 and summary["weights_in_sync"]
-    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
-    if mode == "static":  # each node writes its own launch config into the shared output_dir
-        assert {p.name for p in (tmp_path / "out").glob("accelerate_config*.yaml")} == {
-            "accelerate_config.node-0.yaml", "accelerate_config.node-1.yaml"}
-
-
 def test_a_dead_node_ends_the_job_and_both_nodes_resume_exactly(tmp_path, tiny_model, alpaca_file, one_node_two_processes):
+    """Static rendezvous (--node-rank, --main-addr): SIGKILL node 1's worker, then run both nodes again."""
     config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
-    port = free_port()
-    procs = two_nodes(config, "static", port)
+    procs = two_nodes(config)
     wait_for_step(tmp_path / "out", 4, procs[0])
     victims = [pid for pid in _workers_of(config) if "praisonai_accel.train" in Path(f"/proc/{pid}/cmdline").read_text()
                and "\0RANK=1\0" in _environ(pid)]
@@ -86,10 +72,13 @@ def test_a_dead_node_ends_the_job_and_both_nodes_resume_exactly(tmp_path, tiny_m
         time.sleep(0.2)
     assert not _workers_of(config), "processes left on a node"
     assert "Traceback" not in results[0][1] + results[1][1]
-    resumed = finish(two_nodes(config, "static", free_port()))
+    resumed = finish(two_nodes(config))
     assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:]
     assert "resumed from" in resumed[0][1] + resumed[1][1]
+    assert read_summary(tmp_path / "out")["num_processes"] == 2
     assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
+    assert {p.name for p in (tmp_path / "out").glob("accelerate_config*.yaml")} == {  # each node writes its own
+        "accelerate_config.node-0.yaml", "accelerate_config.node-1.yaml"}
 
 
 def _environ(pid: int) -> str:
@@ -147,8 +136,9 @@ def test_slurm_script_runs_its_per_node_commands_on_a_simulated_two_node_allocat
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "node 0 of 2" in run.stdout and "node 1 of 2" in run.stdout
     assert "cached in" in run.stdout  # preprocessing ran once, before training
-    assert read_summary(tmp_path / "out")["global_step"] == RUN["max_steps"]
-    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
+    summary = read_summary(tmp_path / "out")
+    assert summary["global_step"] == RUN["max_steps"] and summary["num_processes"] == 2 and summary["weights_in_sync"]
+    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6  # 2 nodes (c10d rendezvous) = 1 node x 2
 
 
 def test_multi_node_dry_run_and_bad_flags(tmp_path, tiny_model, alpaca_file):

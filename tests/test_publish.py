@@ -47,18 +47,22 @@ def trained(tmp_path_factory, tiny_model, alpaca_file) -> Path:
     return directory / "out" / "lora_model"
 
 
-def test_two_process_run_pushes_once_from_rank_0_and_creates_the_ollama_model(tmp_path, tiny_model, alpaca_file):
-    with FakeHub(token=TOKEN) as hub, FakeOllama() as ollama:
-        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, push_to_hub=True,
-                              hub_model_id="me/tiny-lora", ollama_model="tiny-lora:test")
+def test_two_process_run_pushes_from_rank_0_alone_in_the_background_and_creates_the_ollama_model(tmp_path, tiny_model,
+                                                                                                  alpaca_file):
+    """every_save with a Hub whose commits take 3 s: one repo, one commit per save and one at the end, all from rank 0,
+    none delaying a step or rank 1's exit; then the Ollama model, once."""
+    with FakeHub(token=TOKEN, delay=3.0) as hub, FakeOllama() as ollama:
+        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=6, save_steps=2, logging_steps=1,
+                              push_to_hub=True, hub_model_id="me/tiny-lora", hub_strategy="every_save",
+                              ollama_model="tiny-lora:test")
         result = cli("train", str(config), *TWO, env=hub_env(hub, OLLAMA_HOST=ollama.url))
         assert result.returncode == 0, result.stderr[-3000:]
         creates, commits = hub.of_kind("create"), hub.of_kind("commit")
         assert len(creates) == 1 and creates[0]["visibility"] == "private"
-        assert len(commits) == 1 and commits[0]["repo"] == "me/tiny-lora"
+        assert len(commits) == 4 and all(c["repo"] == "me/tiny-lora" for c in commits)  # three saves and the end
         assert all("rank/0" in r["agent"] for r in creates + commits)
-        assert commits[0]["auth"] == f"Bearer {TOKEN}"
-        pushed = commits[0]["files"]
+        assert all(c["auth"] == f"Bearer {TOKEN}" for c in commits)
+        pushed = commits[-1]["files"]
         assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= set(pushed)
         local = tmp_path / "out" / "lora_model"
         assert pushed["adapter_model.safetensors"] == (local / "adapter_model.safetensors").read_bytes()
@@ -68,6 +72,12 @@ def test_two_process_run_pushes_once_from_rank_0_and_creates_the_ollama_model(tm
         assert "| learning_rate | 0.005 |" in card and f"| final training loss | {summary['final_loss']:.4f} |" in card
         assert len(ollama.creates()) == 1
         assert ollama.creates()[0]["model"] == "tiny-lora:test"
+    steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
+    assert max(m["step_seconds"] for m in steps) < 2.0  # a synchronous push would add 3 s to steps 3, 5...
+    assert steps[-1]["time"] < commits[1]["finished"]  # training was over before the second push had landed
+    done = [line for line in (tmp_path / "out" / "logs" / "rank-1.log").read_text().splitlines() if "rank 1 done" in line]
+    rank1_exit = datetime.strptime(done[-1][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert rank1_exit < commits[-1]["finished"] - 2  # rank 1 left long before rank 0's last push finished
     assert TOKEN not in result.stdout + result.stderr
     assert files_containing(tmp_path, TOKEN) == []
 
@@ -85,13 +95,16 @@ def test_rejected_push_keeps_local_files_and_says_so(tmp_path, tiny_model, alpac
     assert TOKEN not in result.stdout + result.stderr and files_containing(tmp_path, TOKEN) == []
 
 
-def test_missing_token_pushes_nothing_and_fails_after_training(tmp_path, tiny_model, alpaca_file):
+def test_missing_token_and_a_failed_ollama_create_fail_after_training_with_exit_code_4(tmp_path, tiny_model,
+                                                                                      alpaca_file):
     with FakeHub(token=TOKEN) as hub:
-        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, push_to_hub=True, hub_model_id="me/x")
-        result = cli("train", str(config), env=hub_env(hub, token=None))
+        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, push_to_hub=True, hub_model_id="me/x",
+                              ollama_model="tiny:test")
+        result = cli("train", str(config), env=hub_env(hub, token=None, OLLAMA_HOST="http://127.0.0.1:9"))
         assert hub.of_kind("commit") == [] and hub.of_kind("create") == []
-    assert result.returncode == 4
+    assert result.returncode == 4, result.stderr[-2000:]
     assert "HF_TOKEN is not set in the environment; nothing was pushed" in result.stderr
+    assert "error: ollama: could not create tiny:test" in result.stderr and "the trained model is safe in" in result.stderr
     assert (tmp_path / "out" / "lora_model" / "adapter_model.safetensors").is_file()
 
 
@@ -119,22 +132,6 @@ def test_all_checkpoints_strategy_pushes_each_checkpoint_in_order(tmp_path, tiny
     assert {"checkpoint-2/model.safetensors", "checkpoint-2/optimizer.bin"} <= set(commits[0]["lfs"])  # binaries via LFS
     assert first["checkpoint-2/model.safetensors"][:8] != b"\0" * 8 and len(first["checkpoint-2/model.safetensors"]) > 1000
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".push-")]  # snapshots cleaned up
-
-
-def test_pushes_run_in_the_background_without_delaying_steps_or_other_ranks(tmp_path, tiny_model, alpaca_file):
-    with FakeHub(token=TOKEN, delay=3.0) as hub:  # every commit takes 3 s
-        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=6, save_steps=2, logging_steps=1,
-                              push_to_hub=True, hub_model_id="me/x", hub_strategy="every_save")
-        result = cli("train", str(config), *TWO, env=hub_env(hub))
-        assert result.returncode == 0, result.stderr[-3000:]
-        commits = hub.of_kind("commit")
-    assert len(commits) == 4  # three saves and the end
-    steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
-    assert max(m["step_seconds"] for m in steps) < 2.0  # a synchronous push would add 3 s to steps 3, 5...
-    assert steps[-1]["time"] < commits[1]["finished"]  # training was over before the second push had landed
-    done = [line for line in (tmp_path / "out" / "logs" / "rank-1.log").read_text().splitlines() if "rank 1 done" in line]
-    rank1_exit = datetime.strptime(done[-1][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    assert rank1_exit < commits[-1]["finished"] - 2  # rank 1 left long before rank 0's last push finished
 
 
 def test_the_fake_hub_refuses_a_missing_or_wrong_token_on_every_endpoint(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import torch
 from praisonai_accel import checkpoint as ckpt
 
 from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
-from test_training import _workers_of
+from test_training import _workers_of, workers_left
 
 TWO = ("--cpu", "--num-processes", "2")
 # Dropout on, so resuming is only exact if every rank's RNG state comes back too; packed rows (about 7 steps
@@ -79,10 +79,7 @@ def test_sigterm_then_sigkill_then_resume_is_exact(tmp_path, tiny_model, alpaca_
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
-    deadline = time.time() + 20
-    while _workers_of(config) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not _workers_of(config)  # SIGKILL of the praisonai-accel launcher takes its workers down
+    assert not workers_left(config)  # SIGKILL of the praisonai-accel launcher takes its workers down
     result = cli("train", str(config), *TWO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stderr and "(epoch 1," in result.stderr
@@ -131,10 +128,7 @@ def test_report_on_a_run_in_progress_then_ctrl_c_on_the_launcher_leaves_no_worke
     assert report.returncode == 0 and "running" in report.stdout and "of 100000" in report.stdout, report.stdout
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
-    deadline = time.time() + 20
-    while _workers_of(config) and time.time() < deadline:
-        time.sleep(0.1)
-    assert proc.returncode != 0 and not _workers_of(config)
+    assert proc.returncode != 0 and not workers_left(config)
 
 
 def test_epoch_boundary_resume(tmp_path, tiny_model, alpaca_file):

@@ -76,9 +76,7 @@ def test_two_processes_via_cli_and_via_torchrun_agree(tmp_path, tiny_model, alpa
 
 def test_accelerate_launch_directly_gives_the_cli_adapter_bitwise(tmp_path, tiny_model, alpaca_file, two_process_cli_run):
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=6, logging_steps=1)
-    result = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "--main_process_port", str(free_port()), "-m", "praisonai_accel.train", str(config)])
+    result = run(accelerate_launch(config))
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_summary(tmp_path / "out")["num_processes"] == 2
     a, b = load_adapter(two_process_cli_run[0] / "lora_model"), load_adapter(tmp_path / "out" / "lora_model")
@@ -155,10 +153,7 @@ def test_killing_accelerate_launch_takes_its_workers_down(tmp_path, tiny_model, 
     """Workers started by `accelerate launch` itself, not by us, still die with it (die_with_parent); the
     praisonai-accel launcher's case is the SIGKILL resume test's."""
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=100000, logging_steps=1)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), "-m", "praisonai_accel.train", str(config)]
-    proc = subprocess.Popen(command, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(accelerate_launch(config), env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -166,10 +161,22 @@ def test_killing_accelerate_launch_takes_its_workers_down(tmp_path, tiny_model, 
     assert metrics.exists(), "training never started"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
-    deadline = time.time() + 20
-    while time.time() < deadline and _workers_of(config):
-        time.sleep(0.2)
-    assert not _workers_of(config), "workers kept running after the launcher was killed"
+    assert not workers_left(config), "workers kept running after the launcher was killed"
+
+
+def accelerate_launch(config) -> list[str]:
+    """`accelerate launch` run by hand, as a user would, on 2 CPU processes."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "praisonai_accel.train", str(config)]
+
+
+def workers_left(config, timeout: float = 20) -> list[int]:
+    """The processes still running with this config once they are gone, or `timeout` seconds have passed."""
+    deadline = time.time() + timeout
+    while (pids := _workers_of(config)) and time.time() < deadline:
+        time.sleep(0.1)
+    return pids
 
 
 def _workers_of(config) -> list[int]:

@@ -74,6 +74,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+DEFAULT_MAIN_PORT = 29500
+
+
 @dataclass
 class Nodes:
     """Where this machine sits in a multi-node job. static: node_rank + main_addr; c10d: a rendezvous endpoint."""
@@ -93,9 +96,6 @@ class Nodes:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             return host, int(port)
         return self.main_addr, self.main_port or DEFAULT_MAIN_PORT
-
-
-DEFAULT_MAIN_PORT = 29500
 
 
 def plan_launch(
@@ -156,12 +156,13 @@ def plan_launch(
         name = GENERATED_CONFIG_NAME
     accel_path = config.output_path() / name
     command = [python, "-m", "accelerate.commands.launch", "--config_file", str(accel_path)] + restarts
-    if nodes.backend == "c10d":  # accelerate reads the rendezvous backend from its command line only
+    single_node_restarts = nodes.count == 1 and max_restarts
+    # accelerate reads the rendezvous backend from its command line only
+    if nodes.backend == "c10d" or single_node_restarts:
         command += ["--rdzv_backend", "c10d"]
-    if nodes.count == 1 and max_restarts:
+    if single_node_restarts:
         # accelerate passes a rendezvous endpoint to torchrun only for several machines; torchrun reads its
         # own arguments from PET_* variables too
-        command += ["--rdzv_backend", "c10d"]
         env["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port or free_port()}"
     elif nodes.count == 1:
         command += ["--main_process_port", str(port or free_port())]

@@ -90,7 +90,7 @@ def cpu_env() -> dict:
 # ---------------------------------------------------------------- the two contenders
 
 def ours(work: Path, model: Path, data: Path, processes: int, args, name: str, preprocess: bool = False,
-         **overrides) -> dict:
+         flags: tuple = (), **overrides) -> dict:
     out = work / name
     settings = dict(max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=2e-4,
                     max_seq_length=256, lora_r=16, lora_alpha=32, logging_steps=1,
@@ -103,7 +103,7 @@ def ours(work: Path, model: Path, data: Path, processes: int, args, name: str, p
                        capture_output=True)
     command = [sys.executable, "-m", "praisonai_accel", "train", str(path)]
     if processes > 1:
-        command += ["--cpu", "--num-processes", str(processes)]
+        command += ["--cpu", "--num-processes", str(processes), *flags]
     started, peak, _ = run_command(command, "praisonai_accel.train", cpu_env())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if r.get("time", started) >= started]  # a resumed run keeps earlier lines
@@ -273,6 +273,45 @@ def realistic(work: Path, args) -> dict:
     return {"vocab_size": REALISTIC_VOCAB, "hidden_size": 512, "layers": 4, "batch": 2, **common, "table": table}
 
 
+def full_fine_tuning(work: Path, args) -> dict:
+    """Full fine-tuning at the realistic shape (128k vocabulary: the head and embeddings are 92% of the weights): the
+    chunked loss against full logits on 1 process, and DDP against FSDP2 on 2 processes; peak RSS is per process."""
+    model = work / "model-128k"
+    if not model.exists():
+        make_realistic_model(model)
+    data = work / "long.jsonl"
+    if not data.exists():
+        write_jsonl(realistic_records(args.realistic_records), data)
+    common = dict(preprocess=True, finetune_type="full", final_model_dir="model", learning_rate=1e-5,
+                  max_steps=args.realistic_steps, per_device_train_batch_size=2, max_seq_length=args.realistic_length)
+    contenders = {
+        "chunked loss, 1 process": (1, (), {}),
+        "full logits, 1 process": (1, (), {"chunked_loss": False}),
+        "DDP, 2 processes": (2, (), {}),
+        "FSDP2, 2 processes": (2, ("--fsdp",), {}),
+    }
+    table = {}
+    for name, (processes, flags, overrides) in contenders.items():
+        result = ours(work, model, data, processes, args, f"full_{name.split(',')[0].replace(' ', '_')}_{processes}",
+                      flags=flags, **common, **overrides)
+        summary = json.loads((Path(result["output_dir"]) / "train_summary.json").read_text())
+        table[name] = {"step_seconds": result["step_seconds"], "tokens_per_second": result["tokens_per_second"],
+                       "peak_rss_mib": result["peak_rss_mib"],
+                       "parameter_mib_per_rank": max(summary["parameter_bytes_per_rank"]) / 2**20}
+    return {"vocab_size": REALISTIC_VOCAB, "hidden_size": 512, "layers": 4, "batch": 2,
+            "max_seq_length": args.realistic_length, "steps": args.realistic_steps, "table": table}
+
+
+def report_full(full: dict) -> list[str]:
+    lines = ["", f"full fine-tuning: vocabulary {full['vocab_size']:,}, hidden {full['hidden_size']}, {full['layers']} "
+                 f"layers, batch {full['batch']} x {full['max_seq_length']}-token rows (peak RSS per process)",
+             "| run | step time | tokens/s | peak RSS | parameters per rank |", "|---|---|---|---|---|"]
+    for name, row in full["table"].items():
+        lines.append(f"| {name} | {row['step_seconds']:.3g} s | {row['tokens_per_second']:.3g} | "
+                     f"{row['peak_rss_mib']:.0f} MiB | {row['parameter_mib_per_rank']:.0f} MiB |")
+    return lines
+
+
 def report(results: dict) -> str:
     def fmt(value, unit=""):
         return "n/a" if value is None else (f"{value:.3g}{unit}" if isinstance(value, float) else f"{value}{unit}")
@@ -339,8 +378,9 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=4000, help="training examples")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--case", choices=["all", "toy", "realistic"], default="all",
-                        help="toy: the 30-token rows of the tiny model; realistic: 128k vocabulary, long rows")
+    parser.add_argument("--case", choices=["all", "toy", "realistic", "full"], default="all",
+                        help="toy: the 30-token rows of the tiny model; realistic: 128k vocabulary, long rows; full: full "
+                             "fine-tuning at the realistic shape (chunked vs full logits, DDP vs FSDP2)")
     parser.add_argument("--realistic-steps", type=int, default=12)
     parser.add_argument("--realistic-length", type=int, default=512, help="max_seq_length of the realistic case")
     parser.add_argument("--realistic-records", type=int, default=400)
@@ -348,18 +388,20 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="praisonai-accel-bench-"))
     try:
-        model = make_tiny_model(work / "model", hidden_size=256, layers=4) if args.case != "realistic" else None
+        toy = args.case in ("all", "toy")
+        model = make_tiny_model(work / "model", hidden_size=256, layers=4) if toy else None
         data = write_jsonl(demo_records(args.records, seed=1), work / "data.jsonl")
         results = {
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "help_seconds": help_seconds(),
-            "throughput": throughput(work, model, data, args) if args.case != "realistic" else {},
-            "checkpoint": checkpoint_and_resume(work, model, data, args) if args.case != "realistic" else None,
-            "realistic": realistic(work, args) if args.case != "toy" else None,
+            "throughput": throughput(work, model, data, args) if toy else {},
+            "checkpoint": checkpoint_and_resume(work, model, data, args) if toy else None,
+            "realistic": realistic(work, args) if args.case in ("all", "realistic") else None,
+            "full": full_fine_tuning(work, args) if args.case in ("all", "full") else None,
         }
         results["targets"] = check_targets(results)
-        print(report(results))
+        print(report(results) + ("\n" + "\n".join(report_full(results["full"])) if results["full"] else ""))
         args.out.mkdir(parents=True, exist_ok=True)
         target = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
         target.write_text(json.dumps(results, indent=2, default=str))

@@ -17,8 +17,8 @@ FSDP2_CONFIG = {
     "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's own _no_split_modules (decoder layers)
     "fsdp_reshard_after_forward": True,
     "fsdp_offload_params": False,
-    "fsdp_cpu_ram_efficient_loading": False,
-    "fsdp_state_dict_type": "SHARDED_STATE_DICT",  # checkpoints: each rank writes its shard
+    "fsdp_cpu_ram_efficient_loading": True,  # rank 0 reads the weights; the others get its shards by broadcast
+    "fsdp_state_dict_type": "SHARDED_STATE_DICT",  # checkpoints: each rank writes its shard (checkpoint.py)
     "fsdp_activation_checkpointing": False,
 }
 

@@ -2,13 +2,18 @@
 
 Layout of output_dir/checkpoint-<step>/:
     model.safetensors          trainable weights only (the adapter for LoRA), via accelerator.save_state
-    optimizer.bin, scheduler.bin (custom_checkpoint_0.pkl), random_states_<rank>.pkl (one per rank)
+    optimizer.bin, random_states_<rank>.pkl (one per rank)
+    scheduler.json             the LR scheduler's state (ints and floats), never a pickle
     adapter/                   a loadable PEFT adapter + tokenizer (LoRA runs)
     praisonai_state.json       step, epoch, position in the epoch, samples seen, world size, batch, config hash
     COMPLETE                   written last; a checkpoint without it is ignored
 
 Everything is written into checkpoint-<step>.tmp and renamed once complete, so a crash mid-save
 leaves the previous checkpoint as the latest complete one.
+
+A checkpoint is untrusted input (it may come from the Hub or another user): nothing in it is ever
+unpickled. Every torch file is scanned for the globals its pickle would call before anything is
+loaded, and Accelerate reads them with weights_only=True.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from .config import ConfigError
 log = logging.getLogger("praisonai_accel")
 
 STATE_FILE = "praisonai_state.json"
+SCHEDULER_FILE = "scheduler.json"
+OPTIMIZER_GROUPS_FILE = "optimizer_groups.json"  # FSDP checkpoints: the optimizer's hyperparameters
 MARKER = "COMPLETE"
+DATA_SUFFIXES = {".safetensors", ".json", ".txt", ".jinja", ".model", ".md"}  # read as data, never as code
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -48,13 +56,19 @@ class CheckpointState:
     best_metric: float | None = None
     best_checkpoint: str | None = None
     evals_without_improvement: int = 0
+    run_identity: dict | None = None  # what run_fingerprint hashes, so a refusal can say what differs
+    model_commit: str | None = None  # the Hub commit of the base model's weights (None for a local folder)
 
     def write(self, directory: Path) -> None:
         (Path(directory) / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
     def read(cls, directory: Path) -> "CheckpointState":
-        return cls(**json.loads((Path(directory) / STATE_FILE).read_text()))
+        path = Path(directory) / STATE_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"resume_from_checkpoint: {path} is not a checkpoint state this version wrote ({exc})") from None
 
 
 def step_of(path: Path) -> int:
@@ -88,14 +102,32 @@ def latest_complete(output_dir: Path, warn: bool = True) -> Path | None:
     return None
 
 
-def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: str, overwrite: bool) -> Path | None:
-    """Which checkpoint this run starts from, or None for a fresh start; refuses to mix runs."""
+def differences(saved: CheckpointState, identity: dict) -> str:
+    """The keys that make the checkpoint's run another run, as the user wrote them."""
+    if saved.run_identity is None:
+        return "model, data, LoRA or seed"
+    keys = sorted(k for k in set(saved.run_identity) | set(identity) if saved.run_identity.get(k) != identity.get(k))
+    return ", ".join(keys) or "the run fingerprint"
+
+
+def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: str, overwrite: bool,
+                         identity: dict | None = None, force: bool = False) -> Path | None:
+    """Which checkpoint this run starts from, or None for a fresh start; refuses to mix runs and to load anything
+    that would run code. `force` (force_resume) lets an explicit path of another run through, on purpose."""
+    identity = identity or {}
     if isinstance(resume, str):
         path = Path(resume)
         if not path.is_dir():
             raise ConfigError(f"resume_from_checkpoint: no such checkpoint directory '{resume}'")
         if not is_complete(path):
             raise ConfigError(f"resume_from_checkpoint: '{resume}' is incomplete (no {MARKER} marker); it was interrupted while saving")
+        saved = CheckpointState.read(path)
+        if saved.run_fingerprint != run_fingerprint and not force:
+            raise ConfigError(
+                f"resume_from_checkpoint: '{resume}' belongs to another run ({differences(saved, identity)} differ); "
+                "set force_resume: true to start from it anyway"
+            )
+        check_safe_to_load(path)
         return path
     existing = complete_checkpoints(output_dir)
     if overwrite or not existing:
@@ -106,12 +138,64 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
             "to continue, or overwrite_output_dir: true to start over"
         )
     latest = latest_complete(output_dir)
-    if CheckpointState.read(latest).run_fingerprint != run_fingerprint:
+    saved = CheckpointState.read(latest)
+    if saved.run_fingerprint != run_fingerprint:
         raise ConfigError(
-            f"output_dir: {output_dir} holds checkpoints of another run (model, data, LoRA or seed differ); "
+            f"output_dir: {output_dir} holds checkpoints of another run ({differences(saved, identity)} differ); "
             "use another output_dir, or overwrite_output_dir: true to start over"
         )
+    check_safe_to_load(latest)
     return latest
+
+
+def _torch_files(checkpoint: Path) -> list[Path]:
+    """The files of a checkpoint that Accelerate reads with torch.load (the adapter/ folder is never loaded)."""
+    return sorted(p for p in Path(checkpoint).iterdir() if p.is_file() and p.suffix not in DATA_SUFFIXES
+                  and p.name != MARKER)
+
+
+def check_safe_to_load(checkpoint: Path) -> None:
+    """Refuse, naming the file, any checkpoint file whose pickle would call something other than the tensor, number
+    and RNG-state constructors that weights_only loading allows. Nothing is unpickled to find out."""
+    import torch
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS  # the numpy RNG-state types accelerate's load allows
+
+    for path in _torch_files(checkpoint):
+        try:
+            with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        except Exception as exc:  # not a torch.save archive: a bare pickle, or garbage
+            raise ConfigError(f"resume_from_checkpoint: {path} cannot be loaded safely (not a torch.save archive: "
+                              f"{type(exc).__name__}); refusing to resume from {Path(checkpoint).name}") from None
+        if unsafe:
+            raise ConfigError(f"resume_from_checkpoint: {path} cannot be loaded safely (its pickle calls "
+                              f"{', '.join(sorted(unsafe)[:3])}); refusing to resume from {Path(checkpoint).name}")
+
+
+def save_scheduler(scheduler, directory: Path) -> None:
+    (Path(directory) / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
+
+
+def load_scheduler(scheduler, directory: Path) -> None:
+    path = Path(directory) / SCHEDULER_FILE
+    if not path.is_file():
+        raise ConfigError(f"resume_from_checkpoint: {path} is missing (a checkpoint of an older version, whose "
+                          "scheduler state is a pickle; it is never loaded)")
+    try:
+        scheduler.load_state_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"resume_from_checkpoint: {path} is not a scheduler state ({exc})") from None
+
+
+def load_state(accelerator, checkpoint: Path, model, optimizer, scheduler) -> None:
+    """accelerator.load_state (or this rank's shards under FSDP), only after every file was found safe; the scheduler
+    from its JSON."""
+    check_safe_to_load(checkpoint)
+    if is_fsdp(accelerator):
+        load_sharded_state(accelerator, model, optimizer, checkpoint)
+    else:
+        accelerator.load_state(str(checkpoint), strict=False)  # hooks checked that every trainable weight is there
+    load_scheduler(scheduler, checkpoint)
 
 
 def resume_skip(state: CheckpointState, world: int, per_device: int) -> tuple[int, str | None]:
@@ -162,6 +246,113 @@ def rotate(output_dir: Path, limit: int | None, keep: str | None) -> list[Path]:
     return deleted
 
 
+def is_fsdp(accelerator) -> bool:
+    return accelerator.distributed_type.name == "FSDP"
+
+
+def _local(tensor):
+    """This rank's shard of an FSDP2 DTensor; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _shard_files(directory: Path, rank: int) -> tuple[Path, Path]:
+    return Path(directory) / f"model_shard_{rank}.safetensors", Path(directory) / f"optimizer_shard_{rank}.safetensors"
+
+
+def reshard(model) -> None:
+    """Put every FSDP2 unit back in its sharded state. Units that keep their parameters gathered after a forward
+    (the root and the head, by Accelerate's choice) stay gathered after a no-grad forward such as evaluation, and then
+    name their full tensors, not the shards the optimizer steps."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and type(module).__name__.startswith("FSDP"):
+            module.reshard()
+
+
+def save_sharded_state(accelerator, model, optimizer, directory: Path) -> None:
+    """Under FSDP2: each rank writes its own shard of the trainable weights and of the optimizer state as safetensors
+    (nothing is gathered, nothing is pickled), its RNG state as accelerate does, and rank 0 the optimizer's
+    hyperparameters as JSON. Resuming needs the same number of processes."""
+    import torch
+    from accelerate.checkpointing import save_accelerator_state
+    from safetensors.torch import save_file
+
+    rank = accelerator.process_index
+    model_file, optimizer_file = _shard_files(directory, rank)
+    reshard(model)
+    names = {param: name for name, param in model.named_parameters()}
+    save_file({name: _local(p.detach()).contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad},
+              str(model_file))
+    tensors, groups = {}, []
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params" and _json_scalar(v)},
+                       "params": [names[p] for p in group["params"]]})
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value):
+                    tensors[f"{names[param]}/{key}"] = _local(value).detach().contiguous().cpu()
+    save_file(tensors, str(optimizer_file))
+    if accelerator.is_main_process:
+        (Path(directory) / OPTIMIZER_GROUPS_FILE).write_text(json.dumps(groups))
+    save_accelerator_state(str(directory), [], [], [], [], rank, 0, scaler=accelerator.scaler)
+
+
+def _json_scalar(value) -> bool:
+    return isinstance(value, (int, float, bool, str, type(None))) or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value))
+
+
+def load_sharded_state(accelerator, model, optimizer, directory: Path) -> None:
+    """The inverse of save_sharded_state, into this rank's shards."""
+    import torch
+    from accelerate.checkpointing import load_accelerator_state
+    from safetensors.torch import load_file
+
+    rank = accelerator.process_index
+    model_file, optimizer_file = _shard_files(directory, rank)
+    reshard(model)
+    if not model_file.is_file() or not optimizer_file.is_file():
+        raise ConfigError(f"resume_from_checkpoint: {directory} has no shard for rank {rank}; a sharded (FSDP) checkpoint "
+                          "resumes only with the number of processes that saved it")
+    params = dict(model.named_parameters())
+    weights = load_file(str(model_file))
+    missing = {name for name, p in params.items() if p.requires_grad} - set(weights)
+    if missing or not set(weights) <= set(params):
+        raise ConfigError(f"resume_from_checkpoint: {directory} does not match this model ({len(missing)} trainable "
+                          "weights missing)")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            local = _local(params[name])
+            if local.shape != tensor.shape:
+                raise ConfigError(f"resume_from_checkpoint: {directory}: {name} has shape {tuple(tensor.shape)}, this "
+                                  f"rank's shard {tuple(local.shape)}; resume with the number of processes that saved it")
+            local.copy_(tensor)
+    saved = load_file(str(optimizer_file))
+    groups = json.loads((Path(directory) / OPTIMIZER_GROUPS_FILE).read_text())
+    for group, saved_group in zip(optimizer.param_groups, groups):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items() if k != "params"})
+    for name, param in params.items():
+        entries = {key.split("/", 1)[1]: tensor for key, tensor in saved.items() if key.split("/", 1)[0] == name}
+        if entries:
+            optimizer.state[param] = {key: _like(param, tensor) for key, tensor in entries.items()}
+    load_accelerator_state(str(directory), [], [], [], [], rank, scaler=accelerator.scaler)
+
+
+def _like(param, tensor):
+    """An optimizer-state tensor placed as its parameter is: a DTensor shard where the parameter is one."""
+    tensor = tensor.to(_local(param).device)
+    if hasattr(param, "to_local") and tensor.dim() > 0 and tensor.shape == param.to_local().shape:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return tensor
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of parameters this rank holds (its shards under FSDP2)."""
+    return sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+
+
 def trainable_weight_names(model) -> set[str]:
     return {name for name, param in model.named_parameters() if param.requires_grad}
 
@@ -190,17 +381,27 @@ def install_trainable_only_hooks(accelerator) -> None:
     accelerator.register_load_state_pre_hook(check_complete)
 
 
-def trained_model_and_state(accelerator, model):
-    """The model being trained inside the prepared loss module, and its full state dict (gathered under FSDP,
-    so every rank must call this)."""
+def trained_model_and_state(accelerator, model, trainable_only: bool = False):
+    """The model being trained inside the prepared loss module, and its state dict: under FSDP gathered on rank 0
+    (every rank must call this), and with trainable_only (LoRA) only the adapter is gathered, never the base model."""
     prefix = "causal_lm."
-    state_dict = accelerator.get_state_dict(model)
+    if is_fsdp(accelerator):
+        reshard(model)
+    if trainable_only and is_fsdp(accelerator):
+        state_dict = {}
+        for name, param in model.named_parameters():  # the same order on every rank: one all-gather each
+            if param.requires_grad:
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                if accelerator.is_main_process:
+                    state_dict[name] = full.detach().cpu()
+    else:
+        state_dict = accelerator.get_state_dict(model)
     state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)} if state_dict else state_dict
     return accelerator.unwrap_model(model).causal_lm, state_dict
 
 
-def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, state: CheckpointState, uses_lora: bool,
-                    fault_hook=None) -> Path:
+def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_dir: Path, state: CheckpointState,
+                    uses_lora: bool) -> Path:
     """Every rank calls this; rank 0 finalises. Returns the complete checkpoint's path."""
     final = Path(output_dir) / f"checkpoint-{state.global_step}"
     tmp = final.with_name(final.name + ".tmp")
@@ -208,16 +409,18 @@ def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, state: Chec
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # rank 0: weights/optimizer/scheduler; each rank: its own RNG file
+    if is_fsdp(accelerator):
+        save_sharded_state(accelerator, model, optimizer, tmp)
+    else:
+        accelerator.save_state(str(tmp))  # rank 0: weights and optimizer; each rank: its own RNG file
     if uses_lora:
-        causal_lm, state_dict = trained_model_and_state(accelerator, model)
+        causal_lm, state_dict = trained_model_and_state(accelerator, model, trainable_only=True)
         if accelerator.is_main_process:
             causal_lm.save_pretrained(tmp / "adapter", state_dict=state_dict)
             tokenizer.save_pretrained(tmp / "adapter")
     accelerator.wait_for_everyone()
-    if fault_hook is not None:
-        fault_hook(state.global_step)
     if accelerator.is_main_process:
+        save_scheduler(scheduler, tmp)
         state.write(tmp)
         (tmp / MARKER).write_text(str(state.global_step))
         if final.exists():
@@ -233,7 +436,8 @@ def load_rng_state(checkpoint: Path, process_index: int) -> None:
     import torch
     from accelerate.utils import load
 
-    states = load(Path(checkpoint) / f"random_states_{process_index}.pkl")  # read as accelerate itself reads it
+    # weights_only, as accelerate itself reads it; check_safe_to_load already scanned the file
+    states = load(Path(checkpoint) / f"random_states_{process_index}.pkl")
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -34,8 +35,12 @@ RESUMABLE_KEYS = {
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
     "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
     "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
-    "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss",
+    "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "force_resume",
 }
+DEEPSPEED_REFUSED = ("DeepSpeed is not supported: its engine would step the optimizer after every micro-batch of this "
+                     "loop's gradient accumulation; shard the model with --fsdp (FSDP2) instead")
+# Control characters in a path or name end a line of a generated script or manifest: never accepted.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ConfigError(Exception):
@@ -61,6 +66,7 @@ class TrainConfig(_Strict):
     # model
     model_name: str
     tokenizer_name: str | None = None
+    revision: str | None = None  # a branch, tag or commit of model_name (and tokenizer_name) on the Hub
     max_seq_length: int = Field(default=2048, gt=0)
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device_map: Union[str, dict[str, Union[int, str]], None] = None
@@ -126,6 +132,7 @@ class TrainConfig(_Strict):
     save_steps: int | None = Field(default=None, gt=0)
     save_total_limit: int | None = Field(default=None, gt=0)
     resume_from_checkpoint: Union[bool, str] = True
+    force_resume: bool = False  # resume from a resume_from_checkpoint path that belongs to another run, on purpose
     overwrite_output_dir: bool = False
 
     # evaluation and early stopping
@@ -169,7 +176,25 @@ class TrainConfig(_Strict):
             raise ValueError("ollama_push: needs ollama_model (name:tag)")
         if self.packing and self.group_by_length:
             raise ValueError("packing: rows are already full; turn group_by_length off when packing")
+        for key in ("output_dir", "final_model_dir", "model_name", "tokenizer_name", "revision", "run_name",
+                    "dataset_prepared_path", "hub_model_id"):
+            value = getattr(self, key)
+            if value is not None and _CONTROL.search(value):
+                raise ValueError(f"{key}: {value!r} holds a control character (a newline?); remove it")
+        self._check_final_model_dir()
         return self
+
+    def _check_final_model_dir(self) -> None:
+        """The final save replaces final_model_dir: it must not be output_dir, hold it, or sit where checkpoints go."""
+        if not self.final_model_dir.strip():
+            raise ValueError("final_model_dir: must name a directory (default lora_model, inside output_dir)")
+        output, final = self.output_path().resolve(), self.final_model_path().resolve()
+        if output == final or output.is_relative_to(final):
+            raise ValueError(f"final_model_dir: '{self.final_model_dir}' is output_dir or holds it; the final save would "
+                             "replace it with everything in it; name a directory inside it, such as lora_model")
+        if final.is_relative_to(output) and re.match(r"^checkpoint-\d+", final.relative_to(output).parts[0]):
+            raise ValueError(f"final_model_dir: '{self.final_model_dir}' is where checkpoints are saved and rotated; "
+                             "use another name")
 
     @property
     def trackers(self) -> list[str]:
@@ -201,10 +226,13 @@ class TrainConfig(_Strict):
             if self.save_strategy == "steps" and self.save_steps % self.eval_steps:
                 raise ValueError("load_best_model_at_end: save_steps must be a multiple of eval_steps")
 
+    def run_identity(self) -> dict:
+        """What makes two runs the same run (model, revision, data, method, seed)."""
+        return {k: v for k, v in self.model_dump(mode="json").items() if k not in RESUMABLE_KEYS}
+
     def run_fingerprint(self) -> str:
-        """Hash of what makes two runs the same run (model, data, method, seed), for resume safety."""
-        identity = {k: v for k, v in self.model_dump(mode="json").items() if k not in RESUMABLE_KEYS}
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of run_identity, for resume safety."""
+        return hashlib.sha256(json.dumps(self.run_identity(), sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def uses_lora(self) -> bool:
@@ -319,6 +347,11 @@ class _DuplicateKey(yaml.YAMLError):
         super().__init__(f"key '{key}' is written twice (lines {first} and {second}); keep one")
 
 
+class _UnhashableKey(yaml.YAMLError):
+    def __init__(self, line: int):
+        super().__init__(f"the key at line {line} is a list or mapping; keys are names such as learning_rate")
+
+
 class _StrictLoader(yaml.SafeLoader):
     """safe_load that refuses a key written twice in one mapping, instead of silently keeping the last value."""
 
@@ -327,6 +360,8 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _value in node.value:
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
+            if isinstance(key, (list, dict, set)):
+                raise _UnhashableKey(line)
             if key in seen:
                 raise _DuplicateKey(str(key), seen[key], line)
             seen[key] = line
@@ -343,7 +378,7 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: config file not found")
     try:
         data = read_yaml(path)
-    except _DuplicateKey as exc:
+    except (_DuplicateKey, _UnhashableKey) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -43,12 +43,24 @@ class DistEnv:
         return self.rank == 0
 
 
-def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool) -> Any:
+def fsdp_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """accelerate launch with an FSDP config exports this to every worker."""
+    environ = os.environ if environ is None else environ
+    return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool, sharded: bool = False) -> Any:
     """Where from_pretrained should put the weights of this rank's full copy of the model.
 
     Under DDP every rank holds the whole model on its own GPU; sharding it across GPUs with
-    "auto" would make the ranks fight over the same devices.
+    "auto" would make the ranks fight over the same devices. Under FSDP (`sharded`) nothing is placed:
+    rank 0 reads the weights into host memory, the others build the model on the meta device, and
+    FSDP moves each rank's shards to its GPU.
     """
+    if env.is_distributed and sharded:
+        if requested not in (None, "cuda", "cpu"):
+            raise ConfigError("device_map: under FSDP every rank holds a shard of the model; remove device_map")
+        return None
     if env.is_distributed:
         if isinstance(requested, str) and requested in MULTI_DEVICE_MAPS:
             raise ConfigError(
@@ -102,6 +114,17 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def gpu_has_bf16() -> bool:
+    """Native bf16: compute capability 8.0 (Ampere) or newer. torch.cuda.is_bf16_supported() alone also counts
+    emulation, which says yes on a T4 or V100 (7.x), where bf16 is slow or wrong."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    major, _minor = torch.cuda.get_device_capability()
+    return major >= 8 and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def resolve_mixed_precision(requested: str, use_cuda: bool, bf16_supported: bool) -> str:

@@ -6,19 +6,29 @@ from .config import TrainConfig
 
 
 def evaluate(accelerator, loss_module, eval_data, collate, batch_size: int) -> float:
-    """Token-normalised loss over the whole eval set; each sample is scored by exactly one rank, no padding duplicates."""
+    """Token-normalised loss over the whole eval set; each sample is scored by exactly one rank, no padding duplicates.
+
+    Every rank runs the same number of forwards, whatever its share: under FSDP every forward is a collective, and
+    under DDP a rank with no rows at all would meet another rank's all-reduce with a buffer broadcast. A rank short of
+    rows scores a row whose labels are all masked, which adds nothing to the loss or the target count."""
+    import math
+
+    import numpy as np
     import torch
 
+    from .chat_masking import IGNORE_INDEX
     from .data import batch_targets
 
     rank, world = accelerator.process_index, accelerator.num_processes
-    shard = eval_data.select(range(rank, len(eval_data), world))
+    shard = list(range(rank, len(eval_data), world))
+    forwards = math.ceil(math.ceil(len(eval_data) / world) / batch_size)
+    filler = {**eval_data[0], "labels": np.full(len(eval_data[0]["labels"]), IGNORE_INDEX, dtype=np.int64)}
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     loss_module.eval()
     with torch.no_grad(), accelerator.autocast():
-        for start in range(0, len(shard), batch_size):
-            rows = [shard[i] for i in range(start, min(start + batch_size, len(shard)))]
+        for start in range(0, forwards * batch_size, batch_size):
+            rows = [eval_data[i] for i in shard[start:start + batch_size]] or [filler]
             batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
             loss_sum += loss_module(batch["input_ids"], batch["labels"], batch["attention_mask"]).double()
             targets += batch_targets(batch)

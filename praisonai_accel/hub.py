@@ -15,13 +15,52 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from . import __version__
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .errors import first_line
+from .output_dirs import MARKER as OUTPUT_MARKER
 
 log = logging.getLogger("praisonai_accel")
 
 TOKEN_ENV = "HF_TOKEN"
-CHECKPOINT_IGNORE = ["*.tmp", "*.tmp/*"]
+CHECKPOINT_IGNORE = ["*.tmp", "*.tmp/*", OUTPUT_MARKER]
+
+
+def hub_token() -> str | None:
+    """The token as huggingface_hub finds it: HF_TOKEN, else the one saved by `hf auth login`."""
+    from huggingface_hub import get_token
+
+    return get_token() or None
+
+
+def is_hub_id(name: str) -> bool:
+    """org/name or name, and not a path on this machine."""
+    return not Path(name).expanduser().exists() and not name.startswith(("/", ".", "~")) and name.count("/") <= 1
+
+
+def check_hub_access(config: TrainConfig, api=None) -> str | None:
+    """Before training: a token exists, and hub_private is not silently ignored by an existing public repo.
+    Returns the token; raises ConfigError with one line otherwise."""
+    if not config.push_to_hub:
+        return None
+    token = hub_token()
+    if not token:
+        raise ConfigError(f"push_to_hub: no Hugging Face token; set {TOKEN_ENV} or run `hf auth login` (nothing was trained)")
+    if config.hub_private:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            info = (api or HfApi(token=token)).model_info(config.hub_model_id)
+        except RepositoryNotFoundError:
+            return token  # created private by the first push
+        except Exception as exc:  # unreachable now: the push reports it after training
+            log.warning("warning: push_to_hub: could not check %s (%s); pushing at the end anyway", config.hub_model_id,
+                        redact(type(exc).__name__, token))
+            return token
+        if info.private is False:
+            raise ConfigError(f"hub_private: true, but {config.hub_model_id} already exists and is public, so checkpoints "
+                              "would be public; make it private on the Hub, or set hub_private: false")
+    return token
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -47,14 +86,12 @@ class HubPublisher:
     def __init__(self, config: TrainConfig, api=None):
         self.config = config
         self.repo_id = config.hub_model_id
-        self.token = os.environ.get(TOKEN_ENV) or None
         self._api = api
+        self.token = check_hub_access(config, api)
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[tuple[str, Future]] = []
         self._repo_ready = False
         self.errors: list[str] = []
-        if not self.token:
-            log.warning("push_to_hub: %s is not set in the environment; training goes on, nothing will be pushed", TOKEN_ENV)
 
     @property
     def api(self):
@@ -83,8 +120,6 @@ class HubPublisher:
     # ---------------------------------------------------------------- mechanics
 
     def _submit(self, folder: Path, path_in_repo: str, message: str, delete_patterns: list[str] | None = None) -> None:
-        if not self.token:
-            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-push")
         snapshot = _snapshot(Path(folder), self.config.output_path())
@@ -107,10 +142,6 @@ class HubPublisher:
 
     def wait(self) -> list[str]:
         """Block until every push is done; returns one line per failure (the token redacted)."""
-        if not self.token:
-            if self.config.push_to_hub:
-                self.errors.append(f"push_to_hub: {TOKEN_ENV} is not set in the environment; nothing was pushed")
-            return self.errors
         for message, future in self._futures:
             try:
                 url = future.result()
@@ -125,16 +156,18 @@ class HubPublisher:
 
 def model_card(config: TrainConfig, summary: dict) -> str:
     """README.md for the pushed folder: what it is, what it was trained on, how, and how well."""
-    datasets = [d.name for d in config.dataset]
-    hub_datasets = [d for d in datasets if not Path(d).expanduser().exists()]
-    front = ["---", f"base_model: {config.model_name}", "library_name: peft" if config.uses_lora else "library_name: transformers",
+    # Local paths name someone's disk (/home/alice/private/...): only a file's name is published.
+    datasets = [d.name if is_hub_id(d.name) else Path(d.name).name for d in config.dataset]
+    hub_datasets = [d.name for d in config.dataset if is_hub_id(d.name)]
+    base = config.model_name if is_hub_id(config.model_name) else Path(config.model_name).name
+    front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + ["library_name: peft" if config.uses_lora else "library_name: transformers",
              "pipeline_tag: text-generation", "tags:", "- praisonai-accel", f"- {config.finetune_type}"]
     if hub_datasets:
         front += ["datasets:"] + [f"- {d}" for d in hub_datasets]
     front.append("---")
     world = summary.get("num_processes", 1)
     rows = [
-        ("base model", config.model_name),
+        ("base model", base),
         ("method", config.finetune_type),
         ("datasets", ", ".join(datasets)),
         ("max_seq_length", config.max_seq_length),
@@ -162,6 +195,6 @@ def model_card(config: TrainConfig, summary: dict) -> str:
         if config.uses_lora else
         f"```python\nfrom transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"{title}\")\n```"
     )
-    body = [f"# {title}", "", f"Fine-tuned from `{config.model_name}` with praisonai-accel {__version__}.", "",
+    body = [f"# {title}", "", f"Fine-tuned from `{base}` with praisonai-accel {__version__}.", "",
             "## Training", ""] + table + ["", "## Use", "", usage, ""]
     return "\n".join(front + [""] + body)

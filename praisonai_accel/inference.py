@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .output_dirs import NotOurs, check_replaceable, read_marker, replace_with
+
 
 class ModelDirError(Exception):
     """A path that holds no usable model, phrased for the user."""
@@ -33,45 +35,62 @@ def base_model_of(adapter_dir: Path) -> str:
     return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
-def load_for_inference(path: Path, device: str | None = None):
-    """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter."""
+def load_for_inference(path: Path, device: str | None = None, trust_remote_code: bool = False):
+    """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter.
+
+    trust_remote_code comes from the caller (the run's config, or --trust-remote-code), never from a file in the
+    model directory; the revision the run trained on does come from ours (it picks a commit, it runs nothing)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(path)
+    facts = read_marker(model_dir) or {}
+    if facts.get("trust_remote_code") and not trust_remote_code:
+        raise ModelDirError(f"{model_dir}: was trained with trust_remote_code: true; pass --trust-remote-code to run "
+                            "the model's own code")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if (model_dir / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(base_model_of(model_dir), dtype="auto")
+        base = AutoModelForCausalLM.from_pretrained(base_model_of(model_dir), dtype="auto", revision=facts.get("revision"),
+                                                    trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(base, str(model_dir))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", trust_remote_code=trust_remote_code)
     model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
-def merge_adapter(path: Path, target: Path, force: bool = False) -> Path:
-    """Fold the LoRA weights into the base model and save safetensors + tokenizer, atomically."""
+def merge_adapter(path: Path, target: Path, force: bool = False, trust_remote_code: bool = False) -> Path:
+    """Fold the LoRA weights into the base model and save safetensors + tokenizer, atomically. An existing target is
+    replaced only when it is an earlier merge of ours (or empty), unless the user passes force."""
     adapter_dir = resolve_model_dir(path)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise ModelDirError(f"{adapter_dir}: is a full model already, there is no adapter to merge")
     target = Path(target)
-    if target.exists() and any(target.iterdir()) and not force:
-        raise ModelDirError(f"{target}: already exists and is not empty; pass --force to replace it")
-    model, tokenizer = load_for_inference(adapter_dir, device="cpu")
+    facts = {"kind": "merged", "trust_remote_code": trust_remote_code, "revision": (read_marker(adapter_dir) or {}).get("revision")}
+    if target.exists() and force:
+        shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+    try:
+        check_replaceable(target, "merge target")
+    except NotOurs as exc:
+        raise ModelDirError(f"{exc}; or pass --force to replace it") from None
+    model, tokenizer = load_for_inference(adapter_dir, device="cpu", trust_remote_code=trust_remote_code)
     merged = model.merge_and_unload()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    try:
+        replace_with(tmp, target, "merge target", **facts)
+    except NotOurs as exc:  # appeared while merging
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelDirError(str(exc)) from None
     return target
+
 
 
 def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0) -> str:

@@ -181,10 +181,12 @@ def _kill_with_parent() -> None:
     die_with_parent()
 
 
-# torch elastic's own log lines ("E1202 20:01:02.123000 1234 torch/distributed/elastic/...") and, once the
-# launcher starts its traceback (ChildFailedError), everything after it: the workers already said what failed.
+# torch elastic's own log lines ("E1202 20:01:02.123000 1234 torch/distributed/elastic/...") and its failure report
+# (a traceback ending in ChildFailedError, then a block between two ===== rules) are dropped: the workers already
+# said what failed. Any other traceback is dropped up to its exception line; what follows it is relayed again.
 _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
-_LAUNCHER_TRACEBACK = "Traceback (most recent call last):"
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
 class LauncherOutput:
@@ -192,13 +194,29 @@ class LauncherOutput:
 
     def __init__(self, sink):
         self.sink = sink
-        self.dropping = False
+        self.state = "relay"  # relay | traceback | report (ChildFailedError's ===== block)
+        self.rules_seen = 0
         self.worker_error = False
 
+    def _dropped(self, line: str) -> bool:
+        if line.startswith(_TRACEBACK) or line.startswith(_CHAINED):
+            self.state = "traceback"
+            return True
+        if self.state == "traceback":
+            if line.startswith((" ", "\t")) or not line.strip():
+                return True
+            self.state, self.rules_seen = ("report", 0) if "ChildFailedError" in line else ("relay", 0)
+            return True  # the exception line itself
+        if self.state == "report":
+            if line.startswith("====="):
+                self.rules_seen += 1
+                if self.rules_seen == 2:
+                    self.state = "relay"
+            return True
+        return bool(_ELASTIC_LOG.match(line))
+
     def feed(self, line: str) -> None:
-        if line.startswith(_LAUNCHER_TRACEBACK):
-            self.dropping = True
-        if self.dropping or _ELASTIC_LOG.match(line):
+        if self._dropped(line):
             return
         self.worker_error = self.worker_error or line.startswith("error: ")
         self.sink.write(line)

@@ -45,7 +45,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         compute = hidden.dtype
         w = weight if weight.dtype == compute else weight.to(compute)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+        # The one full-size buffer of the loss: the weight's gradient, in the weight's own dtype (fp32 master weights
+        # accumulate in fp32), summed into in place chunk by chunk.
+        grad_weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) if needs_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk):
@@ -78,21 +80,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad = grad.to(compute)
             if needs_hidden:
                 grad_hidden[start:start + chunk] = grad @ w
-            if needs_weight:
-                grad_weight += (grad.t() @ h).float()
-        ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
-        ctx.present = (needs_hidden, needs_weight, needs_bias)
-        ctx.weight_dtype = weight.dtype
+            if needs_weight:  # addmm_ into the buffer: no vocab x hidden temporary per chunk
+                same = grad_weight.dtype == compute
+                grad_weight.addmm_(grad.t() if same else grad.t().to(grad_weight.dtype), h if same else h.to(grad_weight.dtype))
+        # Gradients made here, handed over once in backward: kept on ctx rather than saved tensors, so backward can
+        # scale them in place instead of allocating their size again.
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = iter(ctx.saved_tensors)
-        needs_hidden, needs_weight, needs_bias = ctx.present
-        grad_hidden = next(saved) * grad_output if needs_hidden else None
-        grad_weight = (next(saved) * grad_output).to(ctx.weight_dtype) if needs_weight else None
-        grad_bias = next(saved) * grad_output if needs_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        grads, ctx.grads = ctx.grads, None
+        grads = tuple(g.mul_(grad_output) if g is not None else None for g in grads)  # in place: no second copy
+        return (*grads, None, None, None, None)
 
 
 def chunked_loss_sum(hidden, weight, bias, targets, softcap=None, scale=None) -> torch.Tensor:
@@ -134,6 +134,27 @@ class CausalLMLoss(nn.Module):
     def _head(self):
         return _transformers_model(self.causal_lm).get_output_embeddings()
 
+    # What libraries read from the model they wrap, read through to the model being trained: FSDP2's transformer
+    # wrapping (a unit per decoder layer, the embeddings, the final norm and the head) and weight tying.
+    base_model_prefix = "decoder"
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self._decoder()
+
+    @property
+    def _no_split_modules(self):
+        return getattr(_transformers_model(self.causal_lm), "_no_split_modules", None)
+
+    def get_input_embeddings(self):
+        return _transformers_model(self.causal_lm).get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self._head()
+
+    def tie_weights(self, *args, **kwargs):
+        return _transformers_model(self.causal_lm).tie_weights(*args, **kwargs)
+
     def forward(self, input_ids, labels, attention_mask=None, position_ids=None) -> torch.Tensor:
         if position_ids is not None:  # packed rows: the mask comes from the restarting position ids
             attention_mask = None
@@ -152,6 +173,12 @@ class CausalLMLoss(nn.Module):
         if self.liger is not None:
             return self.liger(head.weight, hidden, targets, head.bias)
         return chunked_loss_sum(hidden, head.weight, head.bias, targets, self.softcap, self.scale)
+
+
+def wraps_head(module: CausalLMLoss) -> bool:
+    """Is the LM head a peft layer (LoRA on lm_head, or modules_to_save)? The chunked loss multiplies by the head's
+    base weight and would never train what peft added."""
+    return type(module._head()).__module__.startswith("peft")
 
 
 def verify_head(module: CausalLMLoss, token_ids: list[int], device) -> bool:

@@ -6,13 +6,15 @@ unsloth is used when it is installed and a GPU is present; otherwise transformer
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, TrainConfig
 from .errors import first_line
-from .distributed import DistEnv, ensure_unsloth_ddp_flag, mark_unsloth_ddp, resolve_device_map
+from .distributed import DistEnv, ensure_unsloth_ddp_flag, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,24 @@ def lora_settings(config: TrainConfig) -> dict:
 def load_tokenizer(config: TrainConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name, trust_remote_code=config.trust_remote_code)
+    name = config.tokenizer_name or config.model_name
+    revision = config.revision if name == config.model_name else None  # a revision names a commit of model_name
+    return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=config.trust_remote_code)
+
+
+def resolve_commit(config: TrainConfig) -> str | None:
+    """The Hub commit that model_name at `revision` (default: main) names now; None for a local folder or when the
+    Hub cannot say. Loading at this commit, not at the branch, keeps the weights and the record the same."""
+    if Path(config.model_name).expanduser().exists():
+        return None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(config.model_name, "config.json", revision=config.revision)
+    except Exception:  # no such repo, offline without a cache: from_pretrained says why, in one line
+        return None
+    match = re.search(r"[\\/]snapshots[\\/]([0-9a-f]{40})[\\/]", path)
+    return match.group(1) if match else None
 
 
 def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unsloth: Any, dtype):
@@ -89,6 +108,7 @@ def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unslo
         load_in_4bit=config.finetune_type == "qlora",
         full_finetuning=config.finetune_type == "full",
         device_map=device_map if device_map is not None else "sequential",
+        revision=config.revision,
         trust_remote_code=config.trust_remote_code,
     )
     if config.uses_lora:
@@ -121,7 +141,7 @@ def _quantization_config(compute_dtype):
 def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
     if device_map is not None:
         kwargs["device_map"] = device_map
     if config.finetune_type == "qlora":
@@ -149,7 +169,7 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
 
 def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend, use_cuda: bool, bf16_supported: bool):
     """The trainable model on this rank's device, and its tokenizer."""
-    device_map = resolve_device_map(config.device_map, env, use_cuda)
+    device_map = resolve_device_map(config.device_map, env, use_cuda, sharded=fsdp_requested())
     dtype = resolve_torch_dtype(config, use_cuda, bf16_supported)
     try:
         if backend.name == "unsloth":

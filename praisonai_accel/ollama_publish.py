@@ -86,12 +86,12 @@ def _architecture(model_dir: Path) -> str:
         return "unknown"
 
 
-def recipe_for(adapter_or_model: Path, ollama_base: str | None = None) -> OllamaRecipe:
+def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_remote_code: bool = False) -> OllamaRecipe:
     """How to build the Ollama model from a trained adapter dir (FROM base + ADAPTER) or a merged model dir."""
     from transformers import AutoTokenizer
 
     source = Path(adapter_or_model)
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
     template = go_template(tokenizer)
     stops = stop_tokens(tokenizer, template if template is not None else str(tokenizer.chat_template or ""))
     if not (source / "adapter_config.json").exists():  # a merged or fully fine-tuned model
@@ -110,7 +110,8 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None) -> Ollama
     if architecture not in ADAPTER_ARCHITECTURES:
         from .inference import merge_adapter
 
-        merged = merge_adapter(source, source.with_name(source.name + "-merged"), force=True)
+        # replaces only an earlier merge of ours: a folder of the user's at that path is refused, never deleted
+        merged = merge_adapter(source, source.with_name(source.name + "-merged"), trust_remote_code=trust_remote_code)
         log.info("ollama: Ollama imports LoRA adapters only for Llama-family and Gemma 2 bases, not %s; merged the "
                  "adapter into %s and creating the model from it", architecture, merged)
         return OllamaRecipe(template, stops, str(merged.resolve()), files=_files(merged, BASE_MODEL_FILES))
@@ -151,9 +152,9 @@ def create_model(recipe: OllamaRecipe, name: str, host: str | None = None, push:
 
 
 def publish(adapter_or_model: Path, name: str, ollama_base: str | None = None, push: bool = False,
-            host: str | None = None, client=None) -> Path:
+            host: str | None = None, client=None, trust_remote_code: bool = False) -> Path:
     """Write <dir>/Modelfile and create the model; returns the Modelfile's path."""
-    recipe = recipe_for(adapter_or_model, ollama_base)
+    recipe = recipe_for(adapter_or_model, ollama_base, trust_remote_code)
     modelfile = Path(adapter_or_model) / "Modelfile"
     modelfile.write_text(recipe.modelfile())
     create_model(recipe, name, host=host, push=push, client=client)

@@ -8,31 +8,53 @@ the job requeues itself; the requeued job resumes from that checkpoint.
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def sbatch_quote(value: str) -> str:
+    """One argument of an #SBATCH line. sbatch's own directive parser (not a shell) groups characters inside
+    double quotes, takes the next character literally after a backslash, and ends the line at an unquoted #."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _checked(name: str, value: str) -> str:
+    if _CONTROL.search(value):
+        raise ConfigError(f"{name}: {value!r} holds a control character (a newline?); it would end a line of the script")
+    return value
 
 
 def slurm_script(config_path: Path, config: TrainConfig, *, nodes: int, gpus_per_node: int, partition: str | None = None,
                  time: str | None = None, account: str | None = None, job_name: str | None = None, cpu: bool = False,
                  signal_seconds: int = 300, python: str = sys.executable) -> str:
-    config_path = Path(config_path).resolve()
+    """Every value from the user is refused if it holds a control character, and quoted for sbatch (#SBATCH lines)
+    or for bash (the body); a path in --output has its % doubled, since SLURM expands %j and friends there."""
+    config_path = Path(_checked("config", str(Path(config_path).resolve())))
     output_dir = config.output_path().resolve()
-    directives = [f"--job-name={job_name or 'praisonai-accel'}", f"--nodes={nodes}", "--ntasks-per-node=1",
-                  f"--output={output_dir}/logs/slurm-%j.out", f"--signal=TERM@{signal_seconds}", "--requeue"]
+    if "\\" in str(output_dir):  # SLURM turns every filename pattern off when the name holds a backslash
+        raise ConfigError(f"output_dir: {output_dir} holds a backslash, which SLURM's --output cannot take")
+    log_file = str(_checked("output_dir", str(output_dir))).replace("%", "%%") + "/logs/slurm-%j.out"
+    directives = [("--job-name", job_name or "praisonai-accel"), ("--nodes", str(nodes)), ("--ntasks-per-node", "1"),
+                  ("--output", log_file), ("--signal", f"TERM@{signal_seconds}")]
     if not cpu:
-        directives.append(f"--gpus-per-node={gpus_per_node}")
-    directives += [f"--partition={partition}"] * bool(partition) + [f"--time={time}"] * bool(time) + \
-                  [f"--account={account}"] * bool(account)
+        directives.append(("--gpus-per-node", str(gpus_per_node)))
+    directives += [(flag, value) for flag, value in (("--partition", partition), ("--time", time), ("--account", account))
+                   if value]
+    sbatch_lines = [f"#SBATCH {flag}={sbatch_quote(_checked(flag, value))}" for flag, value in directives]
+    sbatch_lines.append("#SBATCH --requeue")
     devices = f"--cpu --num-processes {gpus_per_node}" if cpu else f"--gpus {gpus_per_node}"
     node_command = (
         'echo "node $SLURM_NODEID of $SLURM_NNODES on $(hostname): $PRAISONAI_ACCEL_GPUS"; '
         'exec "$PRAISONAI_ACCEL_PYTHON" -m praisonai_accel train "$PRAISONAI_ACCEL_CONFIG" $PRAISONAI_ACCEL_GPUS '
         '--nnodes "$SLURM_NNODES" --rdzv-endpoint "$MAIN_ADDR:$MAIN_PORT"'
     )
-    lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
+    lines = ["#!/bin/bash"] + sbatch_lines + [
         "set -uo pipefail",
         "",
         f"export PRAISONAI_ACCEL_CONFIG={shlex.quote(str(config_path))}",

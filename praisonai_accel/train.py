@@ -196,7 +196,8 @@ def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
         from .ollama_publish import publish
 
         try:
-            modelfile = publish(final_dir, config.ollama_model, ollama_base=config.ollama_base, push=config.ollama_push)
+            modelfile = publish(final_dir, config.ollama_model, ollama_base=config.ollama_base, push=config.ollama_push,
+                                trust_remote_code=config.trust_remote_code)
             print(f"praisonai-accel: created Ollama model {config.ollama_model} (Modelfile: {modelfile})", file=sys.stderr)
         except Exception as exc:  # server down, refused, missing base files: report, keep the model
             problems.append(f"ollama: could not create {config.ollama_model}: {type(exc).__name__}: {first_line(exc, '')}")

@@ -25,21 +25,18 @@ from pathlib import Path
 from typing import Iterator
 
 from . import checkpoint as ckpt
-from .config import ConfigError, TrainConfig
+from .config import DEEPSPEED_REFUSED, ConfigError, TrainConfig
 from .data import (
     LengthGroupedSampler, PadCollator, batch_targets, ensure_chat_template, load_datasets, quiet_datasets, report_stats,
 )
-from .distributed import VERBOSE_ENV, DistEnv, resolve_mixed_precision
+from .distributed import VERBOSE_ENV, DistEnv, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
 from .evaluation import evaluate, record_evaluation
 from .hub import model_card
 from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
-from .model import choose_backend, load_model_and_tokenizer, trainable_parameter_count
+from .model import choose_backend, load_model_and_tokenizer, resolve_commit, trainable_parameter_count
+from .output_dirs import NotOurs, check_replaceable, replace_with
 
 log = logging.getLogger("praisonai_accel")
-
-# Test-only fault injection: rank 0 dies inside the save of step N ("N": after the state is written, before the
-# checkpoint is marked complete; "N:state": inside accelerator.save_state, before anything is written).
-CRASH_IN_SAVE_ENV = "PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE"
 
 
 class Preempted(Exception):
@@ -94,11 +91,12 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
-def save_final_model(accelerator, model, tokenizer, target: Path, card: str | None = None) -> None:
-    """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at all."""
-    causal_lm, state_dict = ckpt.trained_model_and_state(accelerator, model)
+def save_final_model(accelerator, model, tokenizer, config: TrainConfig, card: str | None = None) -> None:
+    """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at
+    all, and replaces only an earlier final model of ours (checked before launch, and again here)."""
+    target = config.final_model_path()
+    causal_lm, state_dict = ckpt.trained_model_and_state(accelerator, model, trainable_only=config.uses_lora)
     if accelerator.is_main_process:
-        target = Path(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,11 +104,12 @@ def save_final_model(accelerator, model, tokenizer, target: Path, card: str | No
         tokenizer.save_pretrained(tmp)
         if card is not None:
             (tmp / "README.md").write_text(card)
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        if target.exists():
-            os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            replace_with(tmp, target, "final_model_dir", kind="adapter" if config.uses_lora else "model",
+                         trust_remote_code=config.trust_remote_code, revision=config.revision)
+        except NotOurs as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"{exc} (the checkpoints in {config.output_dir} are intact)") from None
     accelerator.wait_for_everyone()
 
 
@@ -138,16 +137,31 @@ def _peak_gpu_memory_mib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
-def _crash_hook(where: str = ""):
-    step, _, place = os.environ.get(CRASH_IN_SAVE_ENV, "").partition(":")
-    if not step or place != where:
-        return None
+def remove_stale_push_snapshots(output_dir: Path) -> None:
+    """Hub-push snapshots (hub.py's .push-*) left by a run that died mid-upload; nothing else is touched."""
+    for path in output_dir.glob(".push-*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
-    def hook(global_step: int) -> None:
-        if global_step == int(step) and int(os.environ.get("RANK", 0)) == 0:
-            os._exit(17)
 
-    return hook
+def select_fsdp_on_cpu(accelerator) -> None:
+    """The one seam where CPU processes get real FSDP2 over gloo.
+
+    Accelerate picks FSDP only for GPU-like devices (state.py), so on CPU an FSDP config silently became DDP. Its
+    FSDP2 path itself (fully_shard, DTensor state dicts) runs on CPU over gloo, so the state is switched to FSDP
+    with the plugin the launch config describes; everything after this is the GPU code path."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch exported
+    if plugin.fsdp_version != 2:
+        raise ConfigError("fsdp_version: only FSDP2 is supported (fsdp_version: 2 in the accelerate config)")
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    # AcceleratorState copies PartialState's fields each time it is instantiated (accelerate does that during
+    # prepare), so both say FSDP; every collective accelerate runs treats FSDP like any torch.distributed type.
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
 
 
 def check_shared_output_dir(accelerator, output_dir: Path) -> None:
@@ -192,29 +206,44 @@ class Recipe:
 
         config = self.config
         use_cuda = torch.cuda.is_available()
-        bf16 = use_cuda and torch.cuda.is_bf16_supported()
+        bf16 = gpu_has_bf16()  # the model's dtype, LoRA's, autocast's and unsloth's all follow from this one answer
         self.backend = choose_backend(config, self.env, use_cuda)  # imports unsloth, if at all, before transformers
         self.accelerator = accelerator = self._build_accelerator(use_cuda, bf16)
         quiet_libraries(self.verbose)
+        if accelerator.distributed_type.name == "DEEPSPEED":  # launched with a DeepSpeed config, past the CLI
+            raise ConfigError(f"accelerate config: {DEEPSPEED_REFUSED}")
+        try:  # under accelerate launch / torchrun nothing checked this before launch
+            check_replaceable(config.final_model_path(), "final_model_dir")
+        except NotOurs as exc:
+            raise ConfigError(str(exc)) from None
+        if config.trust_remote_code and not config.revision:
+            log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
+                        "code is on the model's main branch when it loads; pin it with revision: <commit>")
         if accelerator.num_processes > 1:
             check_shared_output_dir(accelerator, self.output_dir)
         self.resume_from = self._find_resume_point()
         set_seed(config.seed)
-        log.info("backend: %s%s | processes: %d | device: %s | mixed precision: %s", self.backend.name,
+        log.info("backend: %s%s | processes: %d (%s) | device: %s | mixed precision: %s", self.backend.name,
                  f" ({self.backend.reason})" if self.backend.reason else "", accelerator.num_processes,
-                 accelerator.device, accelerator.mixed_precision)
+                 accelerator.distributed_type.name, accelerator.device, accelerator.mixed_precision)
 
-        model, self.tokenizer = load_model_and_tokenizer(config, self.env, self.backend, use_cuda, bf16)
+        self.model_commit = resolve_commit(config)
+        pinned = config.model_copy(update={"revision": self.model_commit}) if self.model_commit else config
+        model, self.tokenizer = load_model_and_tokenizer(pinned, self.env, self.backend, use_cuda, bf16)
         ensure_chat_template(self.tokenizer, config.chat_template)
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
 
         train_data, self.eval_data = self._load_data()
+        if len(train_data) == 0:  # an empty loader would never end an epoch: the loop would spin forever
+            raise ConfigError("dataset: no example is left to train on (val_split_ratio took them all, or every one "
+                              "was dropped); add data or lower val_split_ratio")
         loader = self._train_loader(train_data)
         loss_module = self._loss_module(model, use_cuda)
         optimizer = self._build_optimizer(loss_module)
         self.model, self.optimizer, self.loader = accelerator.prepare(loss_module, optimizer, loader)
+        self.parameter_bytes = ckpt.parameter_bytes(self.model)  # this rank's share: 1/N of each layer under FSDP
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
         from transformers import get_scheduler
 
@@ -222,11 +251,9 @@ class Recipe:
         self.scheduler = get_scheduler(config.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=warmup_steps(config, self.total_steps),
                                        num_training_steps=self.total_steps)
-        accelerator.register_for_checkpointing(self.scheduler)
+        # The scheduler goes into checkpoints as JSON (ckpt.save_scheduler), never registered with accelerate: it
+        # would pickle it and read it back with weights_only=False.
         ckpt.install_trainable_only_hooks(accelerator)
-        crash_in_state = _crash_hook("state")
-        if crash_in_state is not None:
-            accelerator.register_save_state_pre_hook(lambda *_: crash_in_state(self.state.global_step))
         self.state = self._fresh_state()
         if self.resume_from is not None:
             self._load_checkpoint(self.resume_from)
@@ -254,7 +281,7 @@ class Recipe:
         find_unused = config.ddp_find_unused_parameters
         if find_unused is None:
             find_unused = self.env.is_distributed
-        return Accelerator(
+        accelerator = Accelerator(
             mixed_precision=precision,
             cpu=not use_cuda,
             gradient_accumulation_steps=1,  # accumulation is done by the loop, see module docstring
@@ -264,15 +291,19 @@ class Recipe:
             project_config=ProjectConfiguration(project_dir=config.output_dir, logging_dir=str(self.output_dir / "runs"),
                                                 automatic_checkpoint_naming=False),
         )
+        if not use_cuda and self.env.is_distributed and fsdp_requested():
+            select_fsdp_on_cpu(accelerator)
+        return accelerator
 
     def _find_resume_point(self) -> Path | None:
         config = self.config
         resume = ckpt.checkpoint_to_resume(self.output_dir, config.resume_from_checkpoint, config.run_fingerprint(),
-                                           config.overwrite_output_dir)
+                                           config.overwrite_output_dir, config.run_identity(), config.force_resume)
         if self.accelerator.is_main_process:
             if config.overwrite_output_dir and resume is None:
                 ckpt.clear_checkpoints(self.output_dir)
             ckpt.remove_stale_temporaries(self.output_dir)
+            remove_stale_push_snapshots(self.output_dir)
         self.accelerator.wait_for_everyone()
         return resume
 
@@ -309,18 +340,35 @@ class Recipe:
         return DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(config.seed), **common)
 
     def _loss_module(self, model, use_cuda: bool):
-        from .loss import CausalLMLoss, load_liger, verify_head
+        from .loss import CausalLMLoss, load_liger, verify_head, wraps_head
 
         config = self.config
         module = CausalLMLoss(model, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
+        if module.chunked and wraps_head(module):
+            module.chunked = False
+            log.info("loss: lm_head is trained through peft (LoRA or modules_to_save), which the chunked loss would "
+                     "bypass; using the model's full logits")
         probe = self.tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
-        if module.chunked and not verify_head(module, probe, self.accelerator.device):
+        if module.chunked and not self._head_verified(module, probe, verify_head):
             module.chunked = False
             log.warning("warning: this model's head is not a plain linear layer over the decoder output; "
                         "the loss uses its full logits")
         log.info("loss: %s", "liger fused linear cross-entropy" if module.liger is not None and module.chunked else
                  "LM head at target positions only, chunked" if module.chunked else "full logits")
         return module
+
+    def _head_verified(self, module, probe, verify_head) -> bool:
+        """Under FSDP only rank 0 holds real weights before prepare (the others wait on the meta device for its
+        broadcast), so rank 0 checks the head and tells the others."""
+        accelerator = self.accelerator
+        if not ckpt.is_fsdp(accelerator):
+            return verify_head(module, probe, accelerator.device)
+        import torch
+        import torch.distributed as dist
+
+        verdict = torch.tensor([float(verify_head(module, probe, accelerator.device)) if accelerator.is_main_process else 0.0])
+        dist.broadcast(verdict, src=0)
+        return bool(verdict[0] > 0)
 
     def _build_optimizer(self, model):
         import torch
@@ -352,18 +400,22 @@ class Recipe:
             world_size=self.accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             run_fingerprint=config.run_fingerprint(), config_fingerprint=config.fingerprint(),
+            run_identity=config.run_identity(), model_commit=self.model_commit,
         )
 
     def _load_checkpoint(self, path: Path) -> None:
         accelerator = self.accelerator
         saved = ckpt.CheckpointState.read(path)
+        if saved.model_commit and self.model_commit and saved.model_commit != self.model_commit:
+            raise ConfigError(f"revision: {self.config.model_name} now resolves to commit {self.model_commit}, but "
+                              f"{path.name} was trained on {saved.model_commit}; set revision: {saved.model_commit} to resume")
         if not ckpt.rng_file_exists(path, accelerator.process_index):
             log.warning("%s has no RNG state for rank %d (it was saved by %d process(es)); that rank starts from its seed",
                         path, accelerator.process_index, saved.world_size)
         skip, warning = ckpt.resume_skip(saved, accelerator.num_processes, self.config.per_device_train_batch_size)
         if warning:
             log.warning(warning)
-        accelerator.load_state(str(path), strict=False)  # hooks checked that every trainable weight is there
+        ckpt.load_state(accelerator, path, self.model, self.optimizer, self.scheduler)
         accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(self.output_dir))
         self.state = saved
         self.state.batches_in_epoch = skip
@@ -371,6 +423,8 @@ class Recipe:
         self.state.per_device_train_batch_size = self.config.per_device_train_batch_size
         self.state.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.state.config_fingerprint = self.config.fingerprint()
+        self.state.run_fingerprint, self.state.run_identity = self.config.run_fingerprint(), self.config.run_identity()
+        self.state.model_commit = self.model_commit
         self._rng_to_reapply = path if skip else None
         log.info("resumed from %s at step %d (epoch %d, %d batch(es) in)", path, saved.global_step, saved.epoch, skip)
 
@@ -431,14 +485,16 @@ class Recipe:
 
     def evaluate(self) -> float:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
-        return evaluate(self.accelerator, self.model, self.eval_data, PadCollator(self.tokenizer.pad_token_id), batch_size)
+        loss = evaluate(self.accelerator, self.model, self.eval_data, PadCollator(self.tokenizer.pad_token_id), batch_size)
+        ckpt.reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
+        return loss
 
     def save_checkpoint(self) -> Path:
         config = self.config
         started = time.perf_counter()
         try:
-            path = ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.output_dir, self.state,
-                                        config.uses_lora, fault_hook=_crash_hook())
+            path = ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.tokenizer, self.scheduler,
+                                        self.output_dir, self.state, config.uses_lora)
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
@@ -550,7 +606,7 @@ class Recipe:
         if config.load_best_model_at_end and state.best_checkpoint:
             best = self.output_dir / state.best_checkpoint
             if ckpt.is_complete(best):
-                accelerator.load_state(str(best), strict=False)
+                ckpt.load_state(accelerator, best, self.model, self.optimizer, self.scheduler)
                 log.info("loaded best checkpoint %s (%s %.4f)", best.name, config.metric_for_best_model, state.best_metric)
         final_dir = config.final_model_path()
         summary = {
@@ -566,12 +622,16 @@ class Recipe:
             "peak_gpu_memory_mib": _peak_gpu_memory_mib(),
             "preprocess_seconds": self.preprocess["seconds"],
             "preprocess_cached": self.preprocess["cached"],
+            "revision": config.revision,
+            "model_commit": self.model_commit,
         }
-        save_final_model(accelerator, self.model, self.tokenizer, final_dir, model_card(config, summary))
+        save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary))
         if self.publisher is not None:
             self.publisher.on_final(final_dir)
         digests = gather_object([parameter_digest(accelerator.unwrap_model(self.model))])
         summary.update({
+            "distributed_type": accelerator.distributed_type.name,
+            "parameter_bytes_per_rank": gather_object([self.parameter_bytes]),
             "rank_weight_digests": digests,
             "weights_in_sync": len(set(digests)) == 1,
             "backend": self.backend.name,

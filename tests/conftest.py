@@ -72,6 +72,17 @@ def cpu_env(**extra) -> dict:
     return env
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # a sitecustomize that injects crashes; tests only
+
+
+def crash_env(where: str, env: dict | None = None) -> dict:
+    """The environment of a run whose rank 0 dies inside a save (see tests/faults/sitecustomize.py)."""
+    env = dict(env or cpu_env())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH", "")) if p)
+    env["PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE"] = where
+    return env
+
+
 def run(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=kwargs.pop("env", cpu_env()), **kwargs)
 
@@ -129,7 +140,7 @@ def make_architecture(directory: Path, kind: str) -> Path:
 
 # The modules with the most real training runs, slowest first. `pytest -n 2 --dist loadfile` hands whole modules
 # to the two workers in collection order; starting with the longest ones lets both workers finish together.
-SLOWEST_MODULES = ["test_checkpoint.py", "test_training.py", "test_multinode.py", "test_publish.py",
+SLOWEST_MODULES = ["test_checkpoint.py", "test_training.py", "test_multinode.py", "test_publish.py", "test_security.py",
                    "test_user_experience.py", "test_features.py", "test_qlora.py", "test_launch.py"]
 
 

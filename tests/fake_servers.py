@@ -86,6 +86,15 @@ class _HubHandler(_Handler):
         if not self._authorized("GET"):
             return
         hub.record(method="GET", path=self.path, auth=self.headers.get("authorization"))
+        if self.path.startswith("/api/models/") and "/tree/" not in self.path:  # model_info
+            repo = self.path.split("?")[0][len("/api/models/"):]
+            if repo not in hub.repos:
+                self.send_response(404)
+                self.send_header("X-Error-Code", "RepoNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            return self._json(200, {"id": repo, "private": hub.repos[repo], "sha": "0" * 40})
         if "/tree/" in self.path:  # list_repo_files, used by upload_folder(delete_patterns=...)
             return self._json(200, [{"type": "file", "path": p, "oid": "0" * 40, "size": n} for p, n in sorted(hub.files.items())])
         self._json(404, {"error": "not found"})
@@ -153,13 +162,15 @@ class _HubHandler(_Handler):
 
 
 class FakeHub(_Server):
-    """token: the only token accepted (None: any); hold: an Event the first commit waits for; delay: seconds per commit."""
+    """token: the only token accepted (None: any); hold: an Event the first commit waits for; delay: seconds per commit;
+    repos: repositories that already exist (id -> private)."""
 
     handler = _HubHandler
 
     def __init__(self, token: str | None = None, reject_with: int | None = None, hold: threading.Event | None = None,
-                 delay: float = 0.0):
+                 delay: float = 0.0, repos: dict[str, bool] | None = None):
         self.token, self.reject_with, self.hold, self.held, self.delay = token, reject_with, hold, False, delay
+        self.repos = dict(repos or {})  # repos that exist before the run: id -> private
         self.files: dict[str, int] = {}  # the repo as the commits left it: path -> size
         self.lfs: dict[str, bytes] = {}  # uploaded LFS objects by sha256
         super().__init__()

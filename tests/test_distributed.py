@@ -34,6 +34,16 @@ def test_sharding_device_maps_are_refused_under_ddp(requested):
         resolve_device_map(requested, DistEnv(0, 0, 2), cuda_available=True)
 
 
+def test_under_fsdp_nothing_is_placed_by_from_pretrained():
+    from praisonai_accel.distributed import fsdp_requested
+
+    assert fsdp_requested({"ACCELERATE_USE_FSDP": "true"}) and not fsdp_requested({})
+    for rank in (0, 1):
+        assert resolve_device_map(None, DistEnv(rank, rank, 2), cuda_available=True, sharded=True) is None
+    with pytest.raises(ConfigError, match="under FSDP"):
+        resolve_device_map("auto", DistEnv(0, 0, 2), True, sharded=True)
+
+
 def test_single_process_keeps_the_users_device_map():
     single = DistEnv()
     assert resolve_device_map("auto", single, True) == "auto"
@@ -127,3 +137,28 @@ def test_unsloth_is_not_used_without_a_gpu():
     assert model_module.choose_backend(config, DistEnv(0, 0, 2), use_cuda=False).name == "transformers"
     with pytest.raises(ConfigError, match="use_unsloth: true needs a CUDA GPU"):
         model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(), False)
+
+
+@pytest.mark.parametrize("capability, precision, dtype", [((7, 5), "fp16", "float16"), ((7, 0), "fp16", "float16"),
+                                                         ((8, 0), "bf16", "bfloat16"), ((9, 0), "bf16", "bfloat16")])
+def test_bf16_only_from_compute_capability_8_and_every_dtype_agrees(monkeypatch, capability, precision, dtype):
+    """A T4 (7.5) or V100 (7.0) emulates bf16, and torch.cuda.is_bf16_supported() says yes there; only native bf16
+    counts. Autocast, the model's weights and unsloth's dtype then all follow from the same answer."""
+    import torch
+
+    from praisonai_accel.distributed import gpu_has_bf16
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",  # as torch answers: emulation counts unless excluded
+                        lambda including_emulation=True: including_emulation or capability >= (8, 0))
+    bf16 = gpu_has_bf16()
+    assert bf16 == (capability >= (8, 0))
+    assert resolve_mixed_precision("auto", use_cuda=True, bf16_supported=bf16) == precision
+    lora = parse_config({"model_name": "m", "dataset": "d"})
+    assert model_module.resolve_torch_dtype(lora, use_cuda=True, bf16_supported=bf16) == getattr(torch, dtype)
+    seen: dict = {}
+    monkeypatch.setitem(sys.modules, "unsloth", _fake_unsloth(seen))
+    backend = model_module.Backend("unsloth", module=sys.modules["unsloth"])
+    model_module.load_model_and_tokenizer(lora, DistEnv(), backend, use_cuda=True, bf16_supported=bf16)
+    assert seen["from_pretrained"]["dtype"] == getattr(torch, dtype)

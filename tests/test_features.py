@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from praisonai_accel import checkpoint as ckpt
 
-from conftest import cli, cpu_env, read_metrics, read_summary, write_config
+from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
 from fake_servers import FakeHub
 
 TWO = ("--cpu", "--num-processes", "2")
@@ -101,23 +101,6 @@ def test_preprocessing_cache_is_built_once_and_read_by_other_ranks_and_later_run
     assert "(cached)" in (out / "logs" / "rank-1.log").read_text()  # ...and rank 1 read its cache
 
 
-def test_full_fine_tuning(tmp_path, tiny_model, alpaca_file):
-    from transformers import AutoModelForCausalLM
-
-    config = write_config(tmp_path, tiny_model, alpaca_file, finetune_type="full", final_model_dir="full_model",
-                          max_steps=3, save_steps=3, learning_rate=1e-3)
-    result = cli("train", str(config))
-    assert result.returncode == 0, result.stderr[-3000:]
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "full_model")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model)
-    changed = [n for n, p in trained.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
-    assert len(changed) == len(list(base.parameters()))  # every weight trained
-    with safe_open(str(tmp_path / "out" / "checkpoint-3" / "model.safetensors"), framework="pt") as handle:
-        assert len(list(handle.keys())) == len(list(base.parameters()))
-    assert not (tmp_path / "out" / "full_model" / "adapter_config.json").exists()
-    assert (tmp_path / "out" / "checkpoint-3" / "adapter").exists() is False
-
-
 def test_resume_from_an_explicit_checkpoint_with_more_processes_and_refusals(tmp_path, tiny_model, alpaca_file):
     common = dict(per_device_train_batch_size=4, save_steps=2, logging_steps=1)
     first = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, **common)
@@ -160,3 +143,26 @@ def test_preprocess_preview_and_train_share_one_cache(tmp_path, tiny_model, alpa
     train = cli("train", str(config))
     assert train.returncode == 0 and "(cached)" in train.stderr
     assert len(list(prepared.iterdir())) == 1 and not (tmp_path / "out" / ".cache").exists()
+
+
+def test_lora_on_lm_head_trains_it(tmp_path, tiny_model, alpaca_file):
+    """The chunked loss multiplies by the head's base weight; a LoRA on lm_head is trained through full logits."""
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=4, learning_rate=1e-2,
+                          lora_target_modules=["q_proj", "v_proj", "lm_head"])
+    result = cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lm_head is trained through peft" in result.stderr
+    adapter = load_adapter(tmp_path / "out" / "lora_model")
+    head_b = [v for k, v in adapter.items() if "lm_head" in k and "lora_B" in k]
+    assert len(head_b) == 1 and head_b[0].abs().max() > 0
+
+
+def test_a_deepspeed_config_is_refused_before_launch(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file)
+    deepspeed = tmp_path / "ds.yaml"
+    deepspeed.write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "num_processes": 2,
+                                         "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 4}}))
+    result = cli("train", str(config), "--accelerate-config", str(deepspeed))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "DeepSpeed is not supported" in result.stderr and "--fsdp" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -154,3 +154,24 @@ def test_packed_row_never_trains_across_examples():
     assert row["labels"].tolist() == [-100, 2, 3, -100, 5]  # each example's first token is nobody's target
     assert row["position_ids"].tolist() == [0, 1, 2, 0, 1]
     assert np.asarray(row["labels"]).dtype == np.int64
+
+
+def test_chunked_loss_with_bf16_hidden_states_and_fp32_master_weights(monkeypatch):
+    """Full fine-tuning under bf16 autocast: bf16 hidden states, an fp32 head. The weight gradient accumulates in the
+    weight's own dtype (fp32), several chunks of it, and matches autograd on the same bf16 products."""
+    from praisonai_accel import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 300 * 5)  # 5 rows a chunk: 5 chunks
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16).bfloat16().requires_grad_()
+    weight = torch.randn(300, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (23,))
+    got = chunked_loss_sum(hidden, weight, None, targets)
+    grad_hidden, grad_weight = torch.autograd.grad(got * 3, (hidden, weight))
+    assert grad_hidden.dtype == torch.bfloat16 and grad_weight.dtype == torch.float32
+    logits = (hidden @ weight.bfloat16().t()).float()
+    expected = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    ref_hidden, ref_weight = torch.autograd.grad(expected * 3, (hidden, weight))
+    assert abs(got.item() - expected.item()) <= 1e-3 * abs(expected.item())
+    assert (grad_weight - ref_weight).abs().max().item() <= 2e-2 * ref_weight.abs().max().item()
+    assert (grad_hidden.float() - ref_hidden.float()).abs().max().item() <= 2e-2 * ref_hidden.float().abs().max().item()

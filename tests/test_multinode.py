@@ -106,15 +106,19 @@ def test_max_restarts_heals_a_killed_worker_and_matches_the_uninterrupted_run(tm
 
 def test_slurm_script_runs_its_per_node_commands_on_a_simulated_two_node_allocation(tmp_path, tiny_model, alpaca_file,
                                                                                    one_node_two_processes):
-    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    # output_dir holds a space, a % (SLURM's filename patterns) and shell syntax: all of it must stay a path
+    run_dir = tmp_path / "a b 50% $(touch PWNED) `touch PWNED`"
+    run_dir.mkdir()
+    config = write_config(run_dir, tiny_model, alpaca_file, **RUN)
     result = cli("slurm", str(config), "--nodes", "2", "--gpus-per-node", "1", "--cpu", "--time", "01:00:00",
-                 "--partition", "gpu", "--job-name", "t")
+                 "--partition", "gpu", "--job-name", "t $(touch PWNED)")
     assert result.returncode == 0, result.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(result.stdout)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = result.stdout
-    assert "#SBATCH --nodes=2" in text and "#SBATCH --signal=TERM@300" in text and "--requeue" in text
+    assert '#SBATCH --nodes="2"' in text and '#SBATCH --signal="TERM@300"' in text and "--requeue" in text
+    assert '--output="' + str(run_dir / "out").replace("%", "%%") + '/logs/slurm-%j.out"' in text
     assert "NODE_COMMAND='" in text and "$SLURM_NODEID" in text  # single-quoted: expanded on each node
     # srun and scontrol stand-ins: srun runs the task once per node with that node's SLURM_* variables
     bin_dir = tmp_path / "bin"
@@ -129,13 +133,14 @@ def test_slurm_script_runs_its_per_node_commands_on_a_simulated_two_node_allocat
     port = free_port()
     env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost",
                   SLURM_JOB_ID=str(port - 20000))
-    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "node 0 of 2" in run.stdout and "node 1 of 2" in run.stdout
     assert "cached in" in run.stdout  # preprocessing ran once, before training
-    summary = read_summary(tmp_path / "out")
+    summary = read_summary(run_dir / "out")
     assert summary["global_step"] == RUN["max_steps"] and summary["num_processes"] == 2 and summary["weights_in_sync"]
-    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6  # 2 nodes (c10d rendezvous) = 1 node x 2
+    assert max_diff(run_dir / "out", one_node_two_processes) <= 1e-6  # 2 nodes (c10d rendezvous) = 1 node x 2
+    assert not list(tmp_path.rglob("PWNED"))
 
 
 def test_multi_node_dry_run_and_bad_flags(tmp_path, tiny_model, alpaca_file):

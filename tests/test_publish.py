@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -68,7 +69,8 @@ def test_two_process_run_pushes_from_rank_0_alone_in_the_background_and_creates_
         assert pushed["adapter_model.safetensors"] == (local / "adapter_model.safetensors").read_bytes()
         card = pushed["README.md"].decode()
         summary = read_summary(tmp_path / "out")
-        assert f"base_model: {tiny_model}" in card and str(alpaca_file) in card
+        assert "base_model:" not in card and str(tiny_model) not in card  # a local model: no path of this machine
+        assert f"| datasets | {alpaca_file.name} |" in card and str(alpaca_file) not in card
         assert "| learning_rate | 0.005 |" in card and f"| final training loss | {summary['final_loss']:.4f} |" in card
         assert len(ollama.creates()) == 1
         assert ollama.creates()[0]["model"] == "tiny-lora:test"
@@ -82,30 +84,37 @@ def test_two_process_run_pushes_from_rank_0_alone_in_the_background_and_creates_
     assert files_containing(tmp_path, TOKEN) == []
 
 
-def test_rejected_push_keeps_local_files_and_says_so(tmp_path, tiny_model, alpaca_file):
+def test_a_login_token_is_used_and_a_rejected_push_and_failed_ollama_create_exit_4(tmp_path, tiny_model, alpaca_file):
+    """No HF_TOKEN: the token saved by `hf auth login` (HF_TOKEN_PATH) is the one sent. The Hub then refuses the
+    commit and Ollama is down: both are one line after training, exit code 4, and the local files are intact."""
+    token_file = tmp_path / "hf-token"
+    token_file.write_text(TOKEN)
     with FakeHub(token=TOKEN, reject_with=401) as hub:
         config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=3, push_to_hub=True, hub_model_id="me/x",
-                              save_steps=3)
-        result = cli("train", str(config), env=hub_env(hub))
-    assert result.returncode != 0
+                              save_steps=3, ollama_model="tiny:test")
+        result = cli("train", str(config), env=hub_env(hub, token=None, HF_TOKEN_PATH=str(token_file),
+                                                       OLLAMA_HOST="http://127.0.0.1:9"))
+        rejected = [r for r in hub.requests if r.get("rejected") and "/commit/" in r.get("path", "")]
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert rejected and all(r["auth"] == f"Bearer {TOKEN}" for r in rejected)
     assert "error: push to me/x failed (End of training)" in result.stderr and "401" in result.stderr
-    assert "the trained model is safe in" in result.stderr
+    assert "error: ollama: could not create tiny:test" in result.stderr and "the trained model is safe in" in result.stderr
     adapter = load_adapter(tmp_path / "out" / "lora_model")
     assert adapter and (tmp_path / "out" / "checkpoint-3" / "COMPLETE").exists()
-    assert TOKEN not in result.stdout + result.stderr and files_containing(tmp_path, TOKEN) == []
+    assert TOKEN not in result.stdout + result.stderr and files_containing(tmp_path / "out", TOKEN) == []
 
 
-def test_missing_token_and_a_failed_ollama_create_fail_after_training_with_exit_code_4(tmp_path, tiny_model,
-                                                                                      alpaca_file):
-    with FakeHub(token=TOKEN) as hub:
-        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, push_to_hub=True, hub_model_id="me/x",
-                              ollama_model="tiny:test")
-        result = cli("train", str(config), env=hub_env(hub, token=None, OLLAMA_HOST="http://127.0.0.1:9"))
+def test_no_token_or_a_public_repo_for_a_private_push_is_refused_before_launch(tmp_path, tiny_model, alpaca_file):
+    with FakeHub(token=TOKEN, repos={"me/public": False, "me/private": True}) as hub:
+        config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, push_to_hub=True, hub_model_id="me/x")
+        result = cli("train", str(config), env=hub_env(hub, token=None, HF_TOKEN_PATH=str(tmp_path / "none")))
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+        assert "push_to_hub: no Hugging Face token; set HF_TOKEN or run `hf auth login`" in result.stderr
+        public = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, push_to_hub=True, hub_model_id="me/public")
+        result = cli("train", str(public), env=hub_env(hub))
+        assert result.returncode == 2 and "me/public already exists and is public" in result.stderr
         assert hub.of_kind("commit") == [] and hub.of_kind("create") == []
-    assert result.returncode == 4, result.stderr[-2000:]
-    assert "HF_TOKEN is not set in the environment; nothing was pushed" in result.stderr
-    assert "error: ollama: could not create tiny:test" in result.stderr and "the trained model is safe in" in result.stderr
-    assert (tmp_path / "out" / "lora_model" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "out").exists()  # nothing launched, nothing written
 
 
 def test_all_checkpoints_strategy_pushes_each_checkpoint_in_order(tmp_path, tiny_model, alpaca_file):
@@ -215,6 +224,19 @@ def test_model_card_records_the_run():
     assert "| effective batch | 4 |" in card and "| lora_r | 8 |" in card
 
 
+def test_model_card_names_no_local_path(tmp_path):
+    private = tmp_path / "home" / "alice" / "private"
+    private.mkdir(parents=True)
+    (private / "chats.jsonl").write_text("{}\n")
+    (private / "base-model").mkdir()
+    config = parse_config({"model_name": str(private / "base-model"), "hub_model_id": "me/x",
+                           "dataset": [{"name": str(private / "chats.jsonl")}, {"name": "yahma/alpaca-cleaned"}]})
+    card = model_card(config, {"final_loss": 1.0, "global_step": 1, "num_processes": 1})
+    assert "alice" not in card and str(tmp_path) not in card
+    assert "base_model:" not in card and "datasets:\n- yahma/alpaca-cleaned\n---" in card
+    assert "| datasets | chats.jsonl, yahma/alpaca-cleaned |" in card and "| base model | base-model |" in card
+
+
 def test_modelfile_for_the_tiny_chatml_model(trained, tiny_model):
     recipe = recipe_for(trained)
     assert recipe.modelfile() == (
@@ -280,8 +302,12 @@ def test_merge_gives_the_same_logits_as_base_plus_adapter(trained, tmp_path):
     with torch.no_grad():
         expected, got = with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits
     assert (expected - got).abs().max().item() <= 1e-5
-    again = cli("merge", str(trained), "--to", str(tmp_path / "merged"))
-    assert again.returncode == 2 and "already exists" in again.stderr
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    refused = cli("merge", str(trained), "--to", str(users))
+    assert refused.returncode == 2 and "praisonai-accel did not write" in refused.stderr and "--force" in refused.stderr
+    assert [p.name for p in users.iterdir()] == ["notes.txt"]
 
 
 def test_generate_and_chat_answer_with_the_trained_model(trained):
@@ -328,12 +354,18 @@ def test_ollama_merges_first_for_architectures_its_converter_cannot_take(tmp_pat
     config = write_config(tmp_path, base, alpaca_file, max_steps=2)
     assert cli("train", str(config)).returncode == 0
     adapter = tmp_path / "out" / "lora_model"
+    merged = tmp_path / "out" / "lora_model-merged"
+    merged.mkdir()
+    (merged / "notes.txt").write_text("mine")  # a folder of the user's where the merge would go: never replaced
+    refused = cli("publish", "ollama", str(adapter), "--name", "qwen-moe:test", "--host", "http://127.0.0.1:9")
+    assert refused.returncode == 2 and "praisonai-accel did not write" in refused.stderr
+    assert [p.name for p in merged.iterdir()] == ["notes.txt"]
+    shutil.rmtree(merged)
     with FakeOllama() as ollama:
         result = cli("publish", "ollama", str(adapter), "--name", "qwen-moe:test", "--host", ollama.url)
         assert result.returncode == 0, result.stderr[-2000:]
         (create,) = ollama.creates()
     assert "adapters" not in create and {"config.json", "tokenizer.json", "model.safetensors"} <= set(create["files"])
-    merged = tmp_path / "out" / "lora_model-merged"
     assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     digest = "sha256:" + hashlib.sha256((merged / "model.safetensors").read_bytes()).hexdigest()
     assert create["files"]["model.safetensors"] == digest

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import BNB_DIR, cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
+from conftest import BNB_DIR, cli, cpu_env, crash_env, load_adapter, read_metrics, read_summary, write_config
 
 QLORA = dict(finetune_type="qlora", optim="adamw_8bit", max_steps=8, save_steps=2, learning_rate=1e-2,
              per_device_train_batch_size=2, lora_dropout=0.1, logging_steps=1)
@@ -53,7 +53,7 @@ def test_qlora_with_8bit_adamw_trains_on_two_processes(qlora_run):
 
 def test_qlora_resumes_exactly_after_a_crash(tmp_path, tiny_model, alpaca_file, qlora_run):
     config = write_config(tmp_path, tiny_model, alpaca_file, **QLORA)
-    crashed = cli("train", str(config), *TWO, env=bnb_env(PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE="6"))
+    crashed = cli("train", str(config), *TWO, env=crash_env("6", bnb_env()))
     assert crashed.returncode != 0
     resumed = cli("train", str(config), *TWO, env=bnb_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]

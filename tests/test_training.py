@@ -87,12 +87,17 @@ def test_sgd_without_clipping_gives_the_same_weights_and_grad_norms_for_every_la
                                                                                             alpaca_file):
     """SGD and max_grad_norm 0, so a constant factor in the loss scale cannot hide behind Adam or clipping.
     2 processes x batch 2 x accumulation 2 (the layout that runs no_sync under DDP) against 1 process x batch 8,
-    and the chunked LM-head loss against cross-entropy over full logits in the same 2 x 2 x 2 layout.
-    group_by_length is on: its sample order must not depend on the layout either."""
+    the chunked LM-head loss against cross-entropy over full logits in the same 2 x 2 x 2 layout, the same layout
+    under FSDP2 (each rank holding half of every layer), and once in bf16 autocast (with a tolerance: bf16 hidden
+    states, fp32 accumulation in the loss). group_by_length is on: its sample order must not depend on the layout
+    either. Every run scores 3 eval rows each step (2 ranks: one scores a masked filler row) and must agree."""
+    two = ["--cpu", "--num-processes", "2"]
+    layout = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
     variants = {
-        "2x2xaccum2": (["--cpu", "--num-processes", "2"], {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
-        "2x2xaccum2-full-logits": (["--cpu", "--num-processes", "2"],
-                                   {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "chunked_loss": False}),
+        "2x2xaccum2": (two, layout),
+        "2x2xaccum2-full-logits": (two, {**layout, "chunked_loss": False}),
+        "2x2xaccum2-fsdp": (two + ["--fsdp"], layout),
+        "2x2xaccum2-bf16": (two, {**layout, "mixed_precision": "bf16"}),
         "1x8": ([], {"per_device_train_batch_size": 8}),
     }
     runs = {}
@@ -100,22 +105,30 @@ def test_sgd_without_clipping_gives_the_same_weights_and_grad_norms_for_every_la
         (tmp_path / name).mkdir()
         config = write_config(tmp_path / name, tiny_model, alpaca_file, max_steps=5, logging_steps=1, learning_rate=0.5, optim="sgd",
                               max_grad_norm=0, warmup_steps=0, lr_scheduler_type="constant", group_by_length=True,
-                              group_by_length_window=16, **overrides)
+                              group_by_length_window=16, eval_steps=1, per_device_eval_batch_size=1,
+                              eval_dataset=[{"name": str(alpaca_file), "format": "alpaca", "num_samples": 3}], **overrides)
         result = cli("train", str(config), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
         metrics = read_metrics(tmp_path / name / "out")
         runs[name] = (load_adapter(tmp_path / name / "out" / "lora_model"), [m["grad_norm"] for m in metrics if "loss" in m],
-                      [m["loss"] for m in metrics if "loss" in m])
-    reference, ref_norms, ref_losses = runs.pop("2x2xaccum2")
-    assert len(ref_norms) == 5 and all(n > 0 for n in ref_norms)
-    for name, (adapter, norms, losses) in runs.items():
-        assert norms == pytest.approx(ref_norms, rel=1e-5, abs=1e-7), name
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
+                      [m["loss"] for m in metrics if "loss" in m], [m["eval_loss"] for m in metrics if "eval_loss" in m])
+    reference, ref_norms, ref_losses, ref_evals = runs.pop("2x2xaccum2")
+    assert len(ref_norms) == 5 and all(n > 0 for n in ref_norms) and len(ref_evals) == 5
+    for name, (adapter, norms, losses, evals) in runs.items():
+        rel, weights = (2e-2, 2e-3) if name.endswith("bf16") else (1e-5, 1e-5)
+        assert norms == pytest.approx(ref_norms, rel=rel, abs=1e-7), name
+        assert losses == pytest.approx(ref_losses, rel=rel), name
+        assert evals == pytest.approx(ref_evals, rel=rel), name
         diff = max((reference[k].double() - adapter[k].double()).abs().max().item() for k in reference)
-        assert diff <= 1e-5, f"{name}: {diff}"
+        assert diff <= weights, f"{name}: {diff}"
     assert any(reference[k].abs().max() > 0 for k in reference if "lora_B" in k)
     padding = [m["padding_fraction"] for m in read_metrics(tmp_path / "2x2xaccum2" / "out") if "loss" in m]
     assert max(padding) < 0.2  # examples of similar length share a batch
+    ddp, fsdp = (read_summary(tmp_path / name / "out") for name in ("2x2xaccum2", "2x2xaccum2-fsdp"))
+    assert (ddp["distributed_type"], fsdp["distributed_type"]) == ("MULTI_CPU", "FSDP")
+    assert all(0.45 * d <= f <= 0.55 * d for f, d in zip(fsdp["parameter_bytes_per_rank"], ddp["parameter_bytes_per_rank"]))
+    bf16 = read_metrics(tmp_path / "2x2xaccum2-bf16" / "out")
+    assert [m["loss"] for m in bf16 if "loss" in m] != ref_losses  # bf16 really ran: not bitwise fp32
 
 
 def test_packed_rows_give_the_same_update_on_2xB_and_on_1xB_with_accumulation(tmp_path, tiny_model, alpaca_file):

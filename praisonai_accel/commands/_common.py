@@ -57,13 +57,51 @@ def check_resume(config, num_processes: int) -> str:
 
     try:
         start = ckpt.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint,
-                                          config.run_fingerprint(), config.overwrite_output_dir)
+                                          config.run_fingerprint(), config.overwrite_output_dir, config.run_identity(),
+                                          config.force_resume)
         if start is None:
             return "fresh start"
         ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes, config.per_device_train_batch_size)
     except ConfigError as exc:
         fail(str(exc))
     return f"resume from {start}"
+
+
+def check_final_model_dir(config) -> None:
+    """The final save may replace only an earlier final model of ours: refuse anything else before launch."""
+    from ..output_dirs import NotOurs, check_replaceable
+
+    try:
+        check_replaceable(config.final_model_path(), "final_model_dir")
+    except NotOurs as exc:
+        fail(str(exc))
+
+
+def check_hub_access(config) -> None:
+    """push_to_hub without a token, or into a public repo with hub_private: refused before launch."""
+    if not config.push_to_hub:
+        return
+    from ..config import ConfigError
+    from ..hub import check_hub_access as check
+
+    try:
+        check(config)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def check_not_deepspeed(accelerate_config: Path) -> None:
+    from ..accelerate_config import read_accelerate_config
+    from ..config import DEEPSPEED_REFUSED
+
+    try:
+        data = read_accelerate_config(accelerate_config)
+    except (OSError, ValueError) as exc:
+        fail(f"--accelerate-config: {exc}")
+    except Exception:  # invalid YAML: accelerate would say so; say it in one line here
+        fail(f"--accelerate-config: {accelerate_config} is not valid YAML")
+    if str(data.get("distributed_type", "")).upper() == "DEEPSPEED" or "deepspeed_config" in data:
+        fail(f"--accelerate-config: {DEEPSPEED_REFUSED}")
 
 
 def load_config_or_fail(path: Path):
@@ -82,9 +120,9 @@ def count_cuda_gpus() -> int:
 
 
 def bf16_supported() -> bool:
-    import torch
+    from ..distributed import gpu_has_bf16
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return gpu_has_bf16()
 
 
 def tokenized_or_fail(config):

@@ -12,12 +12,12 @@ from ..errors import first_line
 from ._common import fail, show_progress_lines
 
 
-def _load(path: Path):
+def _load(path: Path, trust_remote_code: bool):
     from ..inference import ModelDirError, load_for_inference
 
     show_progress_lines()
     try:
-        return load_for_inference(path)
+        return load_for_inference(path, trust_remote_code=trust_remote_code)
     except (ModelDirError, OSError, ValueError) as exc:
         fail(first_line(exc))
 
@@ -27,11 +27,12 @@ def chat_command(
     system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
 ) -> None:
     """Chat with the model on stdin (one message per line; empty line or EOF ends)."""
     from ..inference import generate
 
-    model, tokenizer = _load(path)
+    model, tokenizer = _load(path, trust_remote_code)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -52,11 +53,12 @@ def generate_command(
     system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
 ) -> None:
     """Answer each --prompt once, one reply per line."""
     from ..inference import generate
 
-    model, tokenizer = _load(path)
+    model, tokenizer = _load(path, trust_remote_code)
     for text in prompt:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         typer.echo(generate(model, tokenizer, messages, max_new_tokens, temperature).replace("\n", " "))

@@ -39,7 +39,10 @@ def env_command() -> None:
     for name in PACKAGES:
         typer.echo(f"{name}: {_version(name)}")
     if torch.cuda.is_available():
-        typer.echo(f"cuda: {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+        from ..distributed import gpu_has_bf16
+
+        bf16 = "yes" if gpu_has_bf16() else "no (fp16 with loss scaling)"
+        typer.echo(f"cuda: {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), native bf16 {bf16}")
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             typer.echo(f"  gpu {index}: {props.name}, {props.total_memory / 2**30:.1f} GiB")

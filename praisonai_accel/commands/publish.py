@@ -19,6 +19,7 @@ def ollama_command(
     from_: Optional[str] = typer.Option(None, "--from", help="an Ollama model to use as FROM instead of uploading the base model"),
     push: bool = typer.Option(False, "--push", help="also push it to the Ollama registry"),
     host: Optional[str] = typer.Option(None, "--host", help="Ollama server (default: $OLLAMA_HOST or localhost:11434)"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
 ) -> None:
     """Write a Modelfile next to the model and create it on the Ollama server."""
     from ..errors import first_line
@@ -28,7 +29,7 @@ def ollama_command(
     show_progress_lines()
     try:
         model_dir = resolve_model_dir(path)
-        modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host)
+        modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host, trust_remote_code=trust_remote_code)
     except Exception as exc:  # connection refused, server errors, missing files: one line, never a traceback
         fail(f"ollama: {type(exc).__name__}: {first_line(exc, '')}".rstrip(": "))
     typer.echo(f"created Ollama model {name} (Modelfile: {modelfile})")

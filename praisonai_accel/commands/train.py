@@ -10,8 +10,8 @@ import yaml
 
 from ..errors import first_line
 from ._common import (
-    bf16_supported, check_device_map, check_local_inputs, check_resume, check_trackers, count_cuda_gpus, fail,
-    load_config_or_fail,
+    bf16_supported, check_device_map, check_final_model_dir, check_hub_access, check_local_inputs, check_resume,
+    check_not_deepspeed, check_trackers, count_cuda_gpus, fail, load_config_or_fail,
 )
 
 
@@ -62,7 +62,7 @@ def train_command(
     main_port: Optional[int] = typer.Option(None, "--main-port", help="port on node 0 (default 29500)"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of a c10d rendezvous: the same command on every node"),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="restart failed workers up to K times; they resume from the latest checkpoint"),
-    fsdp: bool = typer.Option(False, "--fsdp", help="shard the model with FSDP2 (GPUs only)"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="shard the model with FSDP2 (GPUs, or CPU processes over gloo with --cpu)"),
     accelerate_config: Optional[Path] = typer.Option(None, "--accelerate-config", help="use this accelerate config file as is (DeepSpeed, custom FSDP)"),
     verbose: bool = typer.Option(False, "--verbose", help="show the libraries' own output (progress bars, per-rank warnings)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and launch command, run nothing"),
@@ -76,13 +76,13 @@ def train_command(
     check_trackers(cfg)
     if accelerate_config is not None and not accelerate_config.is_file():
         fail(f"--accelerate-config: no such file '{accelerate_config}'")
+    if accelerate_config is not None:
+        check_not_deepspeed(accelerate_config)
     if accelerate_config is not None and (nnodes > 1 or fsdp):
         fail("--accelerate-config is used as is: put the machines and FSDP settings in it instead of --nnodes/--fsdp")
     nodes = resolve_nodes(nnodes, node_rank, main_addr, main_port, rdzv_endpoint)
     try:
         per_node, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
-        if fsdp and cpu:
-            typer.echo("warning: --fsdp: Accelerate runs FSDP only on GPUs; on CPU processes this run is plain DDP", err=True)
         # Only a generated multi-GPU accelerate config records the precision; the training module decides anyway.
         on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
         precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and bf16_supported())
@@ -94,7 +94,10 @@ def train_command(
         plan.env[VERBOSE_ENV] = "1"
 
     check_device_map(cfg, plan.num_processes)
+    check_final_model_dir(cfg)
     start = check_resume(cfg, plan.num_processes)
+    if not dry_run:
+        check_hub_access(cfg)
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     effective = f"{per_device} x {accum} x {plan.num_processes} = {per_device * accum * plan.num_processes}"
     if dry_run:

@@ -205,6 +205,21 @@ def special_strings(tokenizer) -> list[str]:
     return sorted((t for t in tokens if t), key=len, reverse=True)
 
 
+def end_of_turn_token(tokenizer) -> str | None:
+    """The control token the chat template writes right after an assistant reply (<|im_end|>, <|eot_id|>, <|end|>,
+    <end_of_turn>, ...): where a chat model stops, whether or not the tokenizer calls it eos."""
+    marker = "praisonai-accel-reply"
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    text = _renders(tokenizer, template, messages)
+    if not text or marker not in text:
+        return None
+    after = text[text.rindex(marker) + len(marker):].lstrip()
+    return next((token for token in special_strings(tokenizer) if after.startswith(token)), None)
+
+
 def _outside_special(text: str, position: int, specials: list[str]) -> int:
     """`position`, moved back to the start of a control token it falls inside ("<|" of <|end|> vs <|return|>)."""
     for token in specials:

@@ -242,11 +242,33 @@ def batch_targets(batch) -> int:
 
 # ---------------------------------------------------------------- the training set
 
+def resolve_chat_template(value: str) -> str:
+    """chat_template as written in config.yaml: Jinja text, or the path of a file holding it (a .jinja file).
+    A value that is neither is refused rather than rendered as literal text around every conversation."""
+    if "{%" in value or "{{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise DataError(f"chat_template: '{value}' is neither a Jinja template nor an existing file")
+    text = path.read_text(encoding="utf-8")
+    if "{%" not in text and "{{" not in text:
+        raise DataError(f"chat_template: {path} holds no Jinja template ({{% ... %}} or {{{{ ... }}}})")
+    return text
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Would this tokenizer put bos in front of a text (Llama, Mistral and Gemma base models do)?"""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
+
+
 def ensure_chat_template(tokenizer, override: str | None = None) -> None:
     if override:
-        tokenizer.chat_template = override
+        tokenizer.chat_template = resolve_chat_template(override)
     elif not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+        # Texts are tokenized without special tokens (the template writes them), so bos is written here when the
+        # tokenizer would have added it: base Llama, Mistral and Gemma models are trained with it.
+        tokenizer.chat_template = ("{{ bos_token }}" if _adds_bos(tokenizer) else "") + FALLBACK_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 

@@ -93,6 +93,21 @@ def merge_adapter(path: Path, target: Path, force: bool = False, trust_remote_co
 
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Where generation stops: the model's own generation_config eos ids, the tokenizer's eos, and the template's
+    end-of-turn token. Qwen2.5 and Llama 3.x end a turn with <|im_end|> / <|eot_id|>, which for some checkpoints is
+    not the tokenizer's eos; stopping on eos alone runs on into invented turns."""
+    from .chat_masking import end_of_turn_token
+
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    ids.append(tokenizer.eos_token_id)
+    turn_end = end_of_turn_token(tokenizer)
+    if turn_end is not None:
+        ids.append(tokenizer.convert_tokens_to_ids(turn_end))
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
+
+
 def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0) -> str:
     import torch
 
@@ -101,5 +116,5 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, 
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, **sampling)
+                                eos_token_id=stop_token_ids(model, tokenizer), **sampling)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()

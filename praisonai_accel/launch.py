@@ -186,6 +186,31 @@ def _kill_with_parent() -> None:
 # said what failed. Any other traceback is dropped up to its exception line; what follows it is relayed again.
 _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
 _TRACEBACK = "Traceback (most recent call last):"
+_REPORT_RANK = re.compile(r"^\s+rank\s+:\s+(\d+)")
+_REPORT_EXIT = re.compile(r"^\s+exitcode\s+:\s+(-?\d+)")
+MEMORY_NOTE_ENV = "PRAISONAI_ACCEL_MEMORY_NOTE"  # what a worker killed by SIGKILL most likely ran out of
+_SIGNAL_CAUSES = {
+    signal.SIGSEGV: "crashed (SIGSEGV: a fault in native code, such as a CUDA kernel or a library built for another CPU)",
+    signal.SIGABRT: "aborted (SIGABRT: a native library gave up; its message is at the end of the rank's log)",
+    signal.SIGBUS: "crashed (SIGBUS: usually /dev/shm too small for the data loader or NCCL; give the container more)",
+    signal.SIGTERM: "was stopped by SIGTERM from outside the job",
+}
+
+
+def describe_worker_death(rank: int, exitcode: int, memory_note: str = "") -> str | None:
+    """One line for a worker that a signal ended: it printed nothing itself, torchrun only says 'exitcode: -9'."""
+    if exitcode >= 0:
+        return None
+    number = -exitcode
+    if number == signal.SIGKILL:
+        return (f"rank {rank} was killed (SIGKILL), most likely by the out-of-memory killer{': ' + memory_note if memory_note else ''}; "
+                "use fewer processes, QLoRA (finetune_type: qlora), --fsdp, or a smaller batch or max_seq_length")
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    cause = _SIGNAL_CAUSES.get(number, f"was ended by {name}")
+    return f"rank {rank} {cause}"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
@@ -197,6 +222,9 @@ class LauncherOutput:
         self.state = "relay"  # relay | traceback | report (ChildFailedError's ===== block)
         self.rules_seen = 0
         self.worker_error = False
+        self.root_cause: tuple[int, int] | None = None  # (rank, exitcode) of the first worker that failed
+        self._in_root_cause = False
+        self._rank: int | None = None
 
     def _dropped(self, line: str) -> bool:
         if line.startswith(_TRACEBACK) or line.startswith(_CHAINED):
@@ -208,12 +236,23 @@ class LauncherOutput:
             self.state, self.rules_seen = ("report", 0) if "ChildFailedError" in line else ("relay", 0)
             return True  # the exception line itself
         if self.state == "report":
+            self._read_report(line)
             if line.startswith("====="):
                 self.rules_seen += 1
                 if self.rules_seen == 2:
                     self.state = "relay"
             return True
         return bool(_ELASTIC_LOG.match(line))
+
+    def _read_report(self, line: str) -> None:
+        """torchrun's 'Root Cause (first observed failure)' entry: which rank, and how it ended."""
+        if line.startswith("Root Cause"):
+            self._in_root_cause = True
+        elif self._in_root_cause and self.root_cause is None:
+            if match := _REPORT_RANK.match(line):
+                self._rank = int(match.group(1))
+            elif (match := _REPORT_EXIT.match(line)) and self._rank is not None:
+                self.root_cause = (self._rank, int(match.group(1)))
 
     def feed(self, line: str) -> None:
         if self._dropped(line):
@@ -259,7 +298,11 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
         except (ProcessLookupError, PermissionError):
             pass
     if output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
-        sys.stderr.write(f"error: training failed (launcher exit code {code}); each rank's log is in output_dir/logs/\n")
+        death = describe_worker_death(*output.root_cause, full_env.get(MEMORY_NOTE_ENV, "")) if output.root_cause else None
+        if death:
+            sys.stderr.write(f"error: {death} (each rank's log is in output_dir/logs/)\n")
+        else:
+            sys.stderr.write(f"error: training failed (launcher exit code {code}); each rank's log is in output_dir/logs/\n")
     return code
 
 

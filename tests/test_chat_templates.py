@@ -200,3 +200,32 @@ def test_go_renderer_on_ollama_documented_template():
     assert out == ("<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>system<|end_header_id|>"
                    "\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi\n\nagain<|eot_id|>"
                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+# ---------------------------------------------------------------- where chat and generate stop
+
+@pytest.mark.parametrize("family, eos, turn_end", [("qwen2_5", "<|endoftext|>", "<|im_end|>"),
+                                                   ("llama3", "<|eom_id|>", "<|eot_id|>"),
+                                                   ("phi3", "<|endoftext|>", "<|end|>")])
+def test_generation_stops_at_the_templates_end_of_turn_when_eos_is_another_token(family, eos, turn_end):
+    """Checkpoints whose tokenizer eos is not the token that ends an assistant turn (Qwen2.5 base: <|endoftext|>):
+    generation must stop on the end-of-turn token too, and on the model's own generation_config eos ids."""
+    import types
+
+    from praisonai_accel.inference import stop_token_ids
+
+    tokenizer = tokenizer_for(family)
+    tokenizer.eos_token = eos
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, tokenizer.eos_token_id]))
+    stops = stop_token_ids(model, tokenizer)
+    assert tokenizer.convert_tokens_to_ids(turn_end) in stops and tokenizer.eos_token_id in stops and 7 in stops
+    assert len(stops) == len(set(stops))
+
+
+def test_the_real_phi3_tokenizer_stops_at_end(phi3_tokenizer):
+    import types
+
+    from praisonai_accel.inference import stop_token_ids
+
+    stops = stop_token_ids(types.SimpleNamespace(generation_config=None), phi3_tokenizer)
+    assert phi3_tokenizer.convert_tokens_to_ids("<|end|>") in stops and phi3_tokenizer.eos_token_id in stops

@@ -251,3 +251,48 @@ def test_tokenized_dataset_selects_and_splits_without_copying():
     train, test = data.split(0.25, seed=0)
     assert len(test) == 1 and sorted(train.index.tolist() + test.index.tolist()) == [0, 1, 2, 3]
     assert data.select([3, 1]).lengths == [1, 1] and np.shares_memory(data.select([0]).input_ids, data.input_ids)
+
+
+def test_the_fallback_template_writes_bos_where_the_tokenizer_would_add_it():
+    """Base Llama, Mistral and Gemma tokenizers put bos in front of a text; texts are tokenized without special tokens
+    (the template writes them), so the fallback template for a tokenizer without one must write bos itself."""
+    from tokenizers import processors
+
+    from praisonai_accel.data import ensure_chat_template
+
+    from chat_families import tokenizer_for
+
+    messages = [{"role": "user", "content": "add two and three"}, {"role": "assistant", "content": "five"}]
+    with_bos = tokenizer_for("llama3", chat_template="")
+    bos = with_bos.bos_token
+    with_bos._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, with_bos.bos_token_id)])
+    without_bos = tokenizer_for("qwen2_5", chat_template="")
+    for tokenizer, expected in ((with_bos, True), (without_bos, False)):
+        tokenizer.chat_template = None
+        ensure_chat_template(tokenizer)
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        assert text.startswith(bos) is expected and text.endswith("five" + tokenizer.eos_token + "\n\n")
+    ids = with_bos(with_bos.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert ids[0] == with_bos.bos_token_id and ids.count(with_bos.bos_token_id) == 1
+
+
+def test_chat_template_may_be_a_file_and_anything_else_is_refused(tmp_path, tiny_model, alpaca_file):
+    from praisonai_accel.data import DataError, resolve_chat_template
+
+    from conftest import cli, write_config
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "mine.jinja"
+    path.write_text(template)
+    assert resolve_chat_template(str(path)) == template and resolve_chat_template(template) == template
+    (tmp_path / "plain.txt").write_text("just words")
+    for value, message in ((str(tmp_path / "missing.jinja"), "neither a Jinja template nor an existing file"),
+                           ("chatml", "neither a Jinja template nor an existing file"),
+                           (str(tmp_path / "plain.txt"), "holds no Jinja template")):
+        with pytest.raises(DataError, match=message):
+            resolve_chat_template(value)
+    config = write_config(tmp_path, tiny_model, alpaca_file, chat_template=str(tmp_path / "missing.jinja"))
+    result = cli("train", str(config), "--dry-run")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "chat_template:" in result.stderr and "missing.jinja" in result.stderr

@@ -88,7 +88,8 @@ def fsdp_reference(tmp_path_factory, tiny_model, alpaca_file):
 def test_a_killed_fsdp_worker_is_healed_then_a_killed_job_resumes_exactly_from_sharded_checkpoints(
         tmp_path, tiny_model, alpaca_file, fsdp_reference):
     """One run: rank 1 is SIGKILLed at step 3 and --max-restarts 1 heals it; at step 10 the launcher itself is SIGKILLed
-    (every worker with it); the same command again resumes. The adapter must be the uninterrupted run's, bitwise."""
+    (every worker with it); the same command again resumes. The adapter must be the uninterrupted run's, bitwise.
+    (This is also the suite's --max-restarts test: the restart and its resume are the launcher's, whatever the sharding.)"""
     config = write_config(tmp_path, tiny_model, alpaca_file, **HEAL)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), *FSDP, "--max-restarts", "1"],

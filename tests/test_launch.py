@@ -214,3 +214,47 @@ def test_gpu_benchmark_script_parses_and_refuses_without_a_gpu():
     assert run(["bash", "-n", str(script)]).returncode == 0
     result = run(["bash", str(script)], timeout=120)
     assert result.returncode != 0 and "no CUDA GPU visible" in result.stderr
+
+
+TORCHRUN_REPORT = """Traceback (most recent call last):
+  File "/usr/lib/python3/site-packages/torch/distributed/run.py", line 1028, in main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+=======================================================
+praisonai_accel.train FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-03_18:13:30
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 16675)  (SIGTERM)
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_18:13:30
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 16676)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 16676
+=======================================================
+"""
+
+
+def test_a_worker_ended_by_a_signal_is_explained_in_one_line():
+    """torchrun only says 'exitcode: -9'; the relay reads its root cause and the launcher says what it means."""
+    import io
+    import signal as signals
+
+    from praisonai_accel.launch import LauncherOutput, describe_worker_death
+
+    relay = LauncherOutput(io.StringIO())
+    for line in TORCHRUN_REPORT.splitlines(keepends=True):
+        relay.feed(line)
+    assert relay.sink.getvalue() == "" and relay.root_cause == (1, -9)
+    line = describe_worker_death(*relay.root_cause, "each of the 2 processes loads a full copy (0.5 GiB)")
+    assert line.startswith("rank 1 was killed (SIGKILL), most likely by the out-of-memory killer: each of the 2")
+    assert "QLoRA" in line and "--fsdp" in line
+    assert "SIGBUS" in describe_worker_death(0, -signals.SIGBUS) and "/dev/shm" in describe_worker_death(0, -signals.SIGBUS)
+    assert describe_worker_death(0, -signals.SIGSEGV).startswith("rank 0 crashed (SIGSEGV")
+    assert describe_worker_death(0, 1) is None

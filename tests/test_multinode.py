@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from praisonai_accel.launch import free_port
 
@@ -69,6 +68,7 @@ def test_a_dead_node_ends_the_job_and_both_nodes_resume_exactly(tmp_path, tiny_m
     assert time.time() - killed < 60 and all(code != 0 for code, _ in results)
     assert not workers_left(config), "processes left on a node"
     assert "Traceback" not in results[0][1] + results[1][1]
+    assert "error: rank 1 was killed (SIGKILL), most likely by the out-of-memory killer" in results[1][1]
     resumed = finish(two_nodes(config))
     assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:]
     assert "resumed from" in resumed[0][1] + resumed[1][1]
@@ -83,25 +83,6 @@ def _environ(pid: int) -> str:
         return "\0" + Path(f"/proc/{pid}/environ").read_text(errors="replace")
     except OSError:
         return ""
-
-
-def test_max_restarts_heals_a_killed_worker_and_matches_the_uninterrupted_run(tmp_path, tiny_model, alpaca_file,
-                                                                              one_node_two_processes):
-    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
-    proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu", "--num-processes", "2",
-                             "--max-restarts", "1"], env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(tmp_path / "out", 5, proc)
-        worker = next(pid for pid in _workers_of(config) if "\0RANK=1\0" in _environ(pid))
-        os.kill(worker, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=240)
-    finally:  # a hung restart must not outlive the test
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "resumed from" in stderr
-    final, reference = load_adapter(tmp_path / "out" / "lora_model"), load_adapter(one_node_two_processes / "lora_model")
-    assert all(torch.equal(final[k], reference[k]) for k in reference)  # bitwise
 
 
 def test_slurm_script_runs_its_per_node_commands_on_a_simulated_two_node_allocation(tmp_path, tiny_model, alpaca_file,

@@ -292,3 +292,37 @@ def test_revision_is_recorded_and_a_moved_branch_refuses_to_resume(tmp_path, tin
     result = cli("train", str(longer), env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"now resolves to commit {second}, but checkpoint-2 was trained on {first}; set revision: {first}" in result.stderr
+
+
+@pytest.mark.parametrize("saves, requeued", [(True, True), (False, False)])
+def test_a_preempted_slurm_job_requeues_only_after_saving_a_newer_checkpoint(tmp_path, saves, requeued):
+    """A requeued job that fails during setup leaves progress.json saying "preempted"; requeueing on that alone
+    loops forever. The script requeues only when this attempt saved a checkpoint newer than the one it started from.
+    The training command is a stand-in that ends as preemption does, with or without saving."""
+    out = tmp_path / "out"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "COMPLETE").write_text("5")
+    (out / "progress.json").write_text('{"status": "preempted", "global_step": 5}')  # left by the previous attempt
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/bash\n"
+                           'case "$3" in preprocess) exit 0;; esac\n'
+                           + (f'mkdir -p "{out}/checkpoint-12" && echo 12 > "{out}/checkpoint-12/COMPLETE"\n' if saves else "")
+                           + "exit 143\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[ "$1" = show ] && echo localhost && exit 0\necho "$@" >> "{tmp_path}/scontrol.log"\n')
+    (bin_dir / "srun").write_text('#!/bin/bash\nargs=()\nfor a in "$@"; do case $a in --*) ;; *) args+=("$a");; esac; done\n'
+                                  '"${args[@]}"\n')
+    for path in (fake_python, bin_dir / "scontrol", bin_dir / "srun"):
+        path.chmod(0o755)
+    config = parse_config({"model_name": "m", "dataset": "d.jsonl", "output_dir": str(out)})
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(tmp_path / "c.yaml", config, nodes=1, gpus_per_node=1, cpu=True, python=str(fake_python)))
+    env = cpu_env(PATH=f"{bin_dir}:/usr/bin:/bin", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242")
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 143
+    log = tmp_path / "scontrol.log"
+    if requeued:
+        assert log.read_text().split() == ["requeue", "4242"] and "resume from checkpoint-12" in result.stdout
+    else:
+        assert not log.exists() and "no checkpoint newer than checkpoint-5 was saved: not requeueing" in result.stderr

@@ -31,6 +31,19 @@ def check_local_inputs(config) -> None:
                 fail(f"{key}[{index}].name: no such file or directory '{spec.name}'")
             if path.is_file() and path.suffix.lower() not in LOCAL_SUFFIXES:
                 fail(f"{key}[{index}].name: unsupported file type '{path.suffix}' (use {', '.join(LOCAL_SUFFIXES)})")
+    check_chat_template(config)
+
+
+def check_chat_template(config) -> None:
+    """A chat_template that is neither Jinja text nor a readable template file: one line, before anything starts."""
+    if not config.chat_template:
+        return
+    from ..data import DataError, resolve_chat_template
+
+    try:
+        resolve_chat_template(config.chat_template)
+    except (DataError, OSError, UnicodeDecodeError) as exc:
+        fail(str(exc))
 
 
 def check_trackers(config) -> None:

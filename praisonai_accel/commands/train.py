@@ -51,6 +51,22 @@ def resolve_nodes(nnodes: int, node_rank: Optional[int], main_addr: Optional[str
     return Nodes(count=nnodes, rank=node_rank, main_addr=main_addr, main_port=main_port)
 
 
+def memory_note(config, processes_here: int, fsdp: bool = False) -> str:
+    """What the processes of this machine hold in host memory, for a worker the out-of-memory killer ended."""
+    import os
+
+    model = Path(config.model_name).expanduser()
+    weights = sum(p.stat().st_size for p in model.glob("*") if p.suffix in (".safetensors", ".bin")) if model.is_dir() else 0
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 0
+    held = ("rank 0 loads the whole model before FSDP shards it" if fsdp else
+            f"each of the {processes_here} processes on this machine loads a full copy of the model")
+    held += f" ({weights / 2**30:.1f} GiB of weights)" if weights else ""
+    return held + (f" and it has {ram / 2**30:.1f} GiB of RAM" if ram else "")
+
+
 def train_command(
     config: Path = typer.Argument(..., help="config.yaml describing model, data and hyperparameters"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs on this node: a count, 'all', or ids such as 0,1"),
@@ -69,7 +85,7 @@ def train_command(
 ) -> None:
     """Fine-tune a model as described by CONFIG."""
     from ..distributed import VERBOSE_ENV, resolve_mixed_precision
-    from ..launch import LaunchError, launch, plan_launch
+    from ..launch import MEMORY_NOTE_ENV, LaunchError, launch, plan_launch
 
     cfg = load_config_or_fail(config)
     check_local_inputs(cfg)
@@ -92,6 +108,8 @@ def train_command(
         fail(first_line(exc))
     if verbose:
         plan.env[VERBOSE_ENV] = "1"
+    if plan.num_processes > 1 and not dry_run:
+        plan.env[MEMORY_NOTE_ENV] = memory_note(cfg, per_node, fsdp)
 
     check_device_map(cfg, plan.num_processes)
     check_final_model_dir(cfg)

@@ -35,6 +35,7 @@ from .hub import model_card
 from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
 from .model import choose_backend, load_model_and_tokenizer, resolve_commit, trainable_parameter_count
 from .output_dirs import NotOurs, check_replaceable, replace_with
+from .sharded_state import parameter_bytes, reshard
 
 log = logging.getLogger("praisonai_accel")
 
@@ -243,7 +244,7 @@ class Recipe:
         loss_module = self._loss_module(model, use_cuda)
         optimizer = self._build_optimizer(loss_module)
         self.model, self.optimizer, self.loader = accelerator.prepare(loss_module, optimizer, loader)
-        self.parameter_bytes = ckpt.parameter_bytes(self.model)  # this rank's share: 1/N of each layer under FSDP
+        self.parameter_bytes = parameter_bytes(self.model)  # this rank's share: 1/N of each layer under FSDP
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
         from transformers import get_scheduler
 
@@ -486,7 +487,7 @@ class Recipe:
     def evaluate(self) -> float:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
         loss = evaluate(self.accelerator, self.model, self.eval_data, PadCollator(self.tokenizer.pad_token_id), batch_size)
-        ckpt.reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
+        reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
         return loss
 
     def save_checkpoint(self) -> Path:

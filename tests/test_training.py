@@ -87,15 +87,13 @@ def test_sgd_without_clipping_gives_the_same_weights_and_grad_norms_for_every_la
                                                                                             alpaca_file):
     """SGD and max_grad_norm 0, so a constant factor in the loss scale cannot hide behind Adam or clipping.
     2 processes x batch 2 x accumulation 2 (the layout that runs no_sync under DDP) against 1 process x batch 8,
-    the chunked LM-head loss against cross-entropy over full logits in the same 2 x 2 x 2 layout, the same layout
-    under FSDP2 (each rank holding half of every layer), and once in bf16 autocast (with a tolerance: bf16 hidden
+    the same layout under FSDP2 (each rank holding half of every layer), and once in bf16 autocast (with a tolerance: bf16 hidden
     states, fp32 accumulation in the loss). group_by_length is on: its sample order must not depend on the layout
     either. Every run scores 3 eval rows each step (2 ranks: one scores a masked filler row) and must agree."""
     two = ["--cpu", "--num-processes", "2"]
     layout = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
     variants = {
         "2x2xaccum2": (two, layout),
-        "2x2xaccum2-full-logits": (two, {**layout, "chunked_loss": False}),
         "2x2xaccum2-fsdp": (two + ["--fsdp"], layout),
         "2x2xaccum2-bf16": (two, {**layout, "mixed_precision": "bf16"}),
         "1x8": ([], {"per_device_train_batch_size": 8}),

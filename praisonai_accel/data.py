@@ -69,8 +69,8 @@ def load_raw(spec: DatasetSpec):
             if loader is None:
                 raise DataError(f"dataset {spec.name}: unsupported file type '{path.suffix}' (use {', '.join(LOCAL_DATA_LOADERS)})")
             data = datasets.load_dataset(loader, data_files=str(path), split="train")
-        elif path is not None:
-            data = datasets.load_dataset(str(path), data_files=spec.data_files, split=spec.split)
+        elif path is not None:  # a dataset repository on disk: its card's configs (subsets) and splits, as on the Hub
+            data = datasets.load_dataset(str(path), spec.subset, data_files=spec.data_files, split=spec.split)
         else:
             data = datasets.load_dataset(spec.name, spec.subset, data_files=spec.data_files, split=spec.split)
     except DataError:

@@ -296,3 +296,38 @@ def test_chat_template_may_be_a_file_and_anything_else_is_refused(tmp_path, tiny
     result = cli("train", str(config), "--dry-run")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "chat_template:" in result.stderr and "missing.jinja" in result.stderr
+
+
+def test_a_dataset_repository_layout_loads_by_subset_and_split(tmp_path):
+    """What a Hub dataset is, offline: a folder with a dataset card whose configs name subsets and their split files
+    (parquet for one subset, jsonl for the other). name/subset/split reach datasets.load_dataset as on the Hub."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from praisonai_accel.data import DataError, load_raw
+
+    repo = tmp_path / "org-chat-data"
+    (repo / "alpaca").mkdir(parents=True)
+    (repo / "chat").mkdir()
+    rows = lambda tag, n: [{"instruction": f"{tag} question {i}", "input": "", "output": f"{tag} answer {i}"} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows("train", 5)), repo / "alpaca" / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows("valid", 2)), repo / "alpaca" / "validation.parquet")
+    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"hello {i}"}]}
+             for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(chats), repo / "chat" / "train.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: alpaca\n  data_files:\n  - split: train\n    path: alpaca/train.parquet\n"
+        "  - split: validation\n    path: alpaca/validation.parquet\n"
+        "- config_name: chat\n  data_files:\n  - split: train\n    path: chat/train.parquet\n---\n# org/chat-data\n")
+    validation = load_raw(DatasetSpec(name=str(repo), subset="alpaca", split="validation"))
+    assert [r["output"] for r in validation] == ["valid answer 0", "valid answer 1"]
+    chat = load_raw(DatasetSpec(name=str(repo), subset="chat", split="train", num_samples=2))
+    assert len(chat) == 2 and chat[1]["messages"][1]["content"] == "hello 1"
+    with pytest.raises(DataError, match="could not be loaded"):
+        load_raw(DatasetSpec(name=str(repo), subset="nope", split="train"))
+    plain = tmp_path / "org-jsonl-data"  # no configs: splits from file names, as the Hub names them
+    write_jsonl(rows("train", 4), plain / "data" / "train.jsonl")
+    write_jsonl(rows("test", 3), plain / "data" / "test.jsonl")
+    (plain / "README.md").write_text("# org/jsonl-data\n")
+    assert [r["output"] for r in load_raw(DatasetSpec(name=str(plain), split="test"))] == [f"test answer {i}" for i in range(3)]

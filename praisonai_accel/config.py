@@ -40,7 +40,7 @@ RESUMABLE_KEYS = {
 DEEPSPEED_REFUSED = ("DeepSpeed is not supported: its engine would step the optimizer after every micro-batch of this "
                      "loop's gradient accumulation; shard the model with --fsdp (FSDP2) instead")
 # Control characters in a path or name end a line of a generated script or manifest: never accepted.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ConfigError(Exception):
@@ -179,7 +179,7 @@ class TrainConfig(_Strict):
         for key in ("output_dir", "final_model_dir", "model_name", "tokenizer_name", "revision", "run_name",
                     "dataset_prepared_path", "hub_model_id"):
             value = getattr(self, key)
-            if value is not None and _CONTROL.search(value):
+            if value is not None and CONTROL_CHARACTERS.search(value):
                 raise ValueError(f"{key}: {value!r} holds a control character (a newline?); remove it")
         self._check_final_model_dir()
         return self

@@ -8,14 +8,11 @@ the job requeues itself; the requeued job resumes from that checkpoint.
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+from .config import CONTROL_CHARACTERS, ConfigError, TrainConfig
 
 
 def sbatch_quote(value: str) -> str:
@@ -25,7 +22,7 @@ def sbatch_quote(value: str) -> str:
 
 
 def _checked(name: str, value: str) -> str:
-    if _CONTROL.search(value):
+    if CONTROL_CHARACTERS.search(value):
         raise ConfigError(f"{name}: {value!r} holds a control character (a newline?); it would end a line of the script")
     return value
 

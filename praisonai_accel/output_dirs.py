@@ -12,12 +12,13 @@ import shutil
 from pathlib import Path
 
 from . import __version__
+from .config import ConfigError
 
 MARKER = ".praisonai-accel.json"  # not pushed to the Hub (hub.CHECKPOINT_IGNORE)
 
 
-class NotOurs(Exception):
-    """The path holds something this project did not write; phrased for the user."""
+class NotOurs(ConfigError):
+    """The path holds something this project did not write; phrased for the user, as any config error is."""
 
 
 def read_marker(directory: Path) -> dict | None:

@@ -213,10 +213,7 @@ class Recipe:
         quiet_libraries(self.verbose)
         if accelerator.distributed_type.name == "DEEPSPEED":  # launched with a DeepSpeed config, past the CLI
             raise ConfigError(f"accelerate config: {DEEPSPEED_REFUSED}")
-        try:  # under accelerate launch / torchrun nothing checked this before launch
-            check_replaceable(config.final_model_path(), "final_model_dir")
-        except NotOurs as exc:
-            raise ConfigError(str(exc)) from None
+        check_replaceable(config.final_model_path(), "final_model_dir")  # accelerate launch / torchrun: not checked yet
         if config.trust_remote_code and not config.revision:
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
                         "code is on the model's main branch when it loads; pin it with revision: <commit>")

@@ -82,11 +82,12 @@ def check_resume(config, num_processes: int) -> str:
 
 def check_final_model_dir(config) -> None:
     """The final save may replace only an earlier final model of ours: refuse anything else before launch."""
-    from ..output_dirs import NotOurs, check_replaceable
+    from ..config import ConfigError
+    from ..output_dirs import check_replaceable
 
     try:
         check_replaceable(config.final_model_path(), "final_model_dir")
-    except NotOurs as exc:
+    except ConfigError as exc:
         fail(str(exc))
 
 

@@ -214,7 +214,7 @@ class Recipe:
         if accelerator.distributed_type.name == "DEEPSPEED":  # launched with a DeepSpeed config, past the CLI
             raise ConfigError(f"accelerate config: {DEEPSPEED_REFUSED}")
         check_replaceable(config.final_model_path(), "final_model_dir")  # accelerate launch / torchrun: not checked yet
-        if config.trust_remote_code and not config.revision:
+        if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
                         "code is on the model's main branch when it loads; pin it with revision: <commit>")
         if accelerator.num_processes > 1:

@@ -34,7 +34,8 @@ def half_of(fsdp_bytes: list[int], ddp_bytes: list[int]) -> bool:
 
 @pytest.fixture(scope="module")
 def full_fine_tuning(tmp_path_factory, tiny_model, alpaca_file):
-    """Full fine-tuning with SGD and no clipping, accumulation 2, one eval row for two ranks, under DDP and FSDP2."""
+    """Full fine-tuning with SGD and no clipping, accumulation 2, one eval row for two ranks, under DDP and FSDP2;
+    with trust_remote_code (the tiny Llama has no code of its own), whose warning every rank must not repeat."""
     outs = {}
     for name, flags in (("ddp", DDP), ("fsdp", FSDP)):
         directory = tmp_path_factory.mktemp(f"full-{name}")
@@ -42,9 +43,11 @@ def full_fine_tuning(tmp_path_factory, tiny_model, alpaca_file):
                               max_steps=4, logging_steps=1, optim="sgd", learning_rate=0.05, max_grad_norm=0,
                               warmup_steps=0, lr_scheduler_type="constant", per_device_train_batch_size=2,
                               gradient_accumulation_steps=2, eval_steps=2, per_device_eval_batch_size=1, save_steps=4,
-                              eval_dataset=[{"name": str(alpaca_file), "format": "alpaca", "num_samples": 1}])
+                              eval_dataset=[{"name": str(alpaca_file), "format": "alpaca", "num_samples": 1}],
+                              trust_remote_code=True)
         result = cli("train", str(config), *flags, timeout=240)  # an eval deadlock would hang here
         assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stderr.count("trust_remote_code: true without revision") == 1  # once, not once per rank
         outs[name] = directory / "out"
     return outs
 

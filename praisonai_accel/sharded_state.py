@@ -28,8 +28,10 @@ def reshard(model) -> None:
     """Put every FSDP2 unit back in its sharded state. Units that keep their parameters gathered after a forward
     (the root and the head, by Accelerate's choice) stay gathered after a no-grad forward such as evaluation, and then
     name their full tensors, not the shards the optimizer steps."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
-        if hasattr(module, "reshard") and type(module).__name__.startswith("FSDP"):
+        if isinstance(module, FSDPModule):
             module.reshard()
 
 

@@ -9,6 +9,7 @@ spans are found by rendering the conversation's prefixes (see `rendered_spans`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -33,6 +34,9 @@ class MaskingPlan:
     name: str  # the template's family when trl knows it, for messages
     content_blocks: bool = False  # vision-language templates read content as [{"type": "text", "text": ...}]
     string_arguments: bool = False  # templates that concatenate tool-call arguments as a JSON string
+    recognised_by: str = ""  # "text" or "rendering" when `name` is one of trl's templates
+    header: str = ""  # a reply's header the model writes itself (GPT-OSS), trained with the reply
+    reasoning_opening: str = ""  # <think> and the like, trained with the reply wherever it opens it
 
     def prepare(self, messages: list[dict]) -> list[dict]:
         """Messages normalised, in the shape this template reads."""
@@ -46,15 +50,31 @@ class MaskingPlan:
         return messages
 
 
-@functools.lru_cache(maxsize=1)
-def _known_templates() -> dict[str, str]:
-    """trl's verbatim templates by text, so a tokenizer's template can be named."""
+def _trl_templates_folder() -> Path | None:
     try:
         import trl
     except ImportError:
+        return None
+    return Path(trl.__file__).parent / "chat_templates"
+
+
+@functools.lru_cache(maxsize=1)
+def _known_templates() -> dict[str, str]:
+    """trl's verbatim templates by text, so a tokenizer's template can be named."""
+    folder = _trl_templates_folder()
+    if folder is None:
         return {}
-    folder = Path(trl.__file__).parent / "chat_templates"
     return {p.read_text(encoding="utf-8"): p.stem for p in sorted(folder.glob("*.jinja"))}
+
+
+@functools.lru_cache(maxsize=1)
+def _twins() -> dict[str, str]:
+    """trl's training twin of each verbatim template that has one, by the verbatim template's name."""
+    folder = _trl_templates_folder()
+    if folder is None:
+        return {}
+    return {p.stem[: -len("_training")]: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*_training.jinja"))
+            if (folder / f"{p.stem[: -len('_training')]}.jinja").exists()}
 
 
 def template_name(template: str) -> str:
@@ -67,26 +87,104 @@ def _default_template(tokenizer) -> str:
 
 
 def plan_masking(tokenizer, spans_only: bool = False) -> MaskingPlan:
-    """The best masking the ecosystem offers for this tokenizer's template (`spans_only`: the hand-written one)."""
+    """The best masking the ecosystem offers for this tokenizer's template (`spans_only`: the hand-written one).
+
+    A template that is not trl's text but renders like one of trl's templates (a fine-tune's or a re-upload's
+    copy, with a comment or different whitespace in its code) is recognised by rendering probe conversations,
+    and trained with that template's twin."""
     template = _default_template(tokenizer)
-    name = template_name(template)
+    name, recognised_by = template_name(template), "text"
     if spans_only:
         method = METHOD_SPANS
     elif _GENERATION_MARKER.search(template):
         method = METHOD_MARKERS
     else:
         twin = _training_twin(tokenizer)
+        if twin is None and name == "custom":
+            name = recognise_by_rendering(tokenizer, template) or name
+            twin, recognised_by = _twins().get(name), "rendering"
         template, method = (twin, METHOD_TWIN) if twin is not None else (template, METHOD_SPANS)
-    return MaskingPlan(template, method, name, content_blocks=_reads_content_blocks(tokenizer, template),
-                       string_arguments=_wants_string_arguments(tokenizer, template))
+    plan = MaskingPlan(template, method, name, content_blocks=_reads_content_blocks(tokenizer, template),
+                       string_arguments=_wants_string_arguments(tokenizer, template),
+                       recognised_by=recognised_by if name != "custom" else "")
+    return dataclasses.replace(plan, **_model_written_parts(tokenizer, plan))
+
+
+def _probe_conversations() -> list[tuple[list[dict], list | None, bool]]:
+    """(messages, tools, generation prompt): a system prompt, several turns, reasoning, tool calls and prompts."""
+    user = lambda text: {"role": "user", "content": text}
+    reply = lambda text, **extra: {"role": "assistant", "content": text, **extra}
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "alpha"}}}
+    several = [user("first question"), reply("first answer"), user("second question"), reply("second answer")]
+    return [
+        (several, None, False),
+        ([{"role": "system", "content": "a system prompt"}, *several], None, False),
+        ([user("q1"), reply("a1", reasoning_content="r1"), user("q2"), reply("a2", reasoning_content="r2")], None, False),
+        ([user("use the tool"), reply("", tool_calls=[call]), {"role": "tool", "name": "lookup", "content": "found"},
+          reply("done")], tools, False),
+        (several[:1], None, True),
+        ([{"role": "system", "content": "a system prompt"}, *several[:3]], None, True),
+    ]
+
+
+def _rendering_signature(tokenizer, template: str) -> tuple:
+    """What a template renders for each probe conversation (the error's type where it refuses one)."""
+    shape = MaskingPlan(template, METHOD_SPANS, "", content_blocks=_reads_content_blocks(tokenizer, template),
+                        string_arguments=_wants_string_arguments(tokenizer, template))
+    rendered = []
+    for messages, tools, prompt in _probe_conversations():
+        try:
+            rendered.append(render(tokenizer, template, shape.prepare(messages), tools, generation_prompt=prompt))
+        except Exception as exc:
+            rendered.append(type(exc).__name__)
+    return tuple(rendered)
+
+
+def recognise_by_rendering(tokenizer, template: str) -> str | None:
+    """The name of the trl template (with a training twin) that renders every probe exactly as `template` does."""
+    signature = _rendering_signature(tokenizer, template)
+    if not any(isinstance(r, str) and "first answer" in r for r in signature):
+        return None  # renders too little to be compared
+    by_name = {stem: text for text, stem in _known_templates().items()}
+    return next((name for name in _twins() if _rendering_signature(tokenizer, by_name[name]) == signature), None)
+
+
+def _model_written_parts(tokenizer, plan: MaskingPlan) -> dict:
+    """What a reply's turn holds before the reply that the model writes itself, as trl's twins train it:
+    the header, when the model also writes it inside a reply (GPT-OSS's <|start|>assistant between its
+    analysis and final channels), and the reasoning opening (<think>), even where the generation prompt
+    writes it (Nemotron 3, Qwen3.5)."""
+    reasoning, answer = "praisonai-accel-reasoning", "praisonai-accel-answer"
+    first = [{"role": "user", "content": "q"}]
+    bare = _renders(tokenizer, plan.template, plan.prepare(first))
+    prompted = _renders(tokenizer, plan.template, plan.prepare(first), generation_prompt=True)
+    text = _renders(tokenizer, plan.template, plan.prepare(
+        [*first, {"role": "assistant", "content": answer, "reasoning_content": reasoning}]))
+    if bare is None or prompted is None or text is None or answer not in text:
+        return {}
+    header = prompted[_common_prefix(bare, prompted):]
+    parts = {}
+    at_reasoning, at_answer = text.find(reasoning), text.rfind(answer)
+    head = header.strip()
+    if head and 0 <= at_reasoning < at_answer and head in text[at_reasoning:at_answer]:
+        parts["header"] = head
+    if 0 <= at_reasoning < at_answer:
+        before = text[:at_reasoning]
+        after_header = before[before.rindex(head) + len(head):] if head and head in before else ""
+        opening = (after_header if after_header.strip() else before).rstrip().rsplit("\n", 1)[-1].strip()
+        if opening and not opening.isalnum():
+            parts["reasoning_opening"] = opening
+    return parts
 
 
 _PROBE = "\x02probe\x02"
 
 
-def _renders(tokenizer, template: str, messages: list[dict]) -> str | None:
+def _renders(tokenizer, template: str, messages: list[dict], generation_prompt: bool = False) -> str | None:
     try:
-        return render(tokenizer, template, messages)
+        return render(tokenizer, template, messages, generation_prompt=generation_prompt)
     except Exception:
         return None
 
@@ -171,7 +269,7 @@ def encode_conversation(tokenizer, plan: MaskingPlan, messages: list[dict], tool
                         train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and their labels (IGNORE_INDEX where not trained)."""
     if plan.method == METHOD_SPANS:
-        text, spans = rendered_spans(tokenizer, plan.template, messages, tools)
+        text, spans = rendered_spans(tokenizer, plan.template, messages, tools, plan.header, plan.reasoning_opening)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoded["input_ids"]
         trained = [_inside(start, end, spans, text) for start, end in encoded["offset_mapping"]]
@@ -240,7 +338,22 @@ def _with_terminator(text: str, reply_end: int, end: int, specials: list[str]) -
     return end + len(following) if following else end
 
 
-def rendered_spans(tokenizer, template: str, messages: list[dict], tools=None) -> tuple[str, list[tuple[int, int]]]:
+def _model_written_start(text: str, start: int, cursor: int, header: str, reasoning_opening: str) -> int:
+    """`start` moved back over the reasoning opening (with an empty reasoning block's closing tag) and the
+    header that the generation prompt wrote for the model."""
+    for part, between in ((reasoning_opening, _EMPTY_REASONING_REST), (header, _WHITESPACE)):
+        at = text.rfind(part, cursor, start) if part else -1
+        if at >= 0 and between.fullmatch(text[at + len(part):start]):
+            start = at
+    return start
+
+
+_EMPTY_REASONING_REST = re.compile(r"\s*(</[^<>\s]+>\s*)?")
+_WHITESPACE = re.compile(r"\s*")
+
+
+def rendered_spans(tokenizer, template: str, messages: list[dict], tools=None, header: str = "",
+                   reasoning_opening: str = "") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span of each assistant turn the model must generate.
 
     A turn starts where the prompt for it (the conversation so far plus the generation prompt) ends,
@@ -249,7 +362,9 @@ def rendered_spans(tokenizer, template: str, messages: list[dict], tools=None) -
     (Phi-3 appends eos only when nothing follows, so the prefix and the whole diverge right there).
     Whitespace after the end-of-turn belongs to no one. Templates that rewrite earlier turns (dropping
     their reasoning, say) fall back to locating the reply text and extending it over what the template
-    writes after a reply, as far as the whole conversation agrees.
+    writes after a reply, as far as the whole conversation agrees. What the model writes itself but the
+    generation prompt already holds (`header`, `reasoning_opening`: see `_model_written_parts`) is moved
+    into the reply's span.
     """
     text = render(tokenizer, template, messages, tools)
     specials = special_strings(tokenizer)
@@ -263,6 +378,7 @@ def rendered_spans(tokenizer, template: str, messages: list[dict], tools=None) -
         # Where the prompt stops agreeing with the whole: its end, or where a generation prompt that
         # differs from how a finished turn is written (DeepSeek's <think>) parts from it.
         start = max(_outside_special(text, _common_prefix(prompt, text), specials), cursor)
+        start = _model_written_start(text, start, cursor, header, reasoning_opening)
         end = _common_prefix(through, text)
         if content in text[start:end]:
             reply_end = start + text[start:end].rfind(content) + len(content) if content else start
@@ -310,6 +426,10 @@ def _end_of_turn_token(ids, offsets, position: int, special_ids: set[int]) -> in
     return None
 
 
+def _tokens_within(offsets, start: int, end: int) -> list[int]:
+    return [i for i, (s, e) in enumerate(offsets) if s >= start and e <= end and e > s]
+
+
 def check_masking(tokenizer, plan: MaskingPlan, messages: list[dict], tools, labels: list[int], ids: list[int],
                   report: MaskingReport) -> None:
     """Check one encoded example: every assistant reply and its end-of-turn token are trained; no system,
@@ -329,12 +449,16 @@ def check_masking(tokenizer, plan: MaskingPlan, messages: list[dict], tools, lab
         start = text.find(content, cursor)
         if start < 0:
             continue
-        end = start + len(content)
+        end, before = start + len(content), cursor
         cursor = end
-        inside = [i for i, (s, e) in enumerate(offsets) if s >= start and e <= end and e > s]
+        inside = _tokens_within(offsets, start, end)
         if message.get("role") == "assistant":
             if any(labels[i] == IGNORE_INDEX for i in inside):
                 report.add("part of an assistant reply is not trained")
+            for part, what in ((plan.reasoning_opening, "the reasoning opening"), (plan.header, "the header")):
+                at = text.rfind(part, before, start) if part else -1
+                if at >= 0 and any(labels[i] == IGNORE_INDEX for i in _tokens_within(offsets, at, at + len(part))):
+                    report.add(f"{what} the model writes before an assistant reply ({part}) is not trained")
             eot = _end_of_turn_token(ids, offsets, end, special_ids)
             if eot is None or labels[eot] == IGNORE_INDEX:
                 report.add("the end-of-turn token after an assistant reply is not trained")

@@ -83,6 +83,8 @@ class TrainConfig(_Strict):
     group_by_length: bool = False  # batch samples of similar length: far less padding, same sequence for any layout
     group_by_length_window: int = Field(default=256, gt=0)
     truncation: Literal["keep_response", "right"] = "keep_response"
+    # When even the response does not fit: cut its end (truncate) or leave the example out (drop)
+    excess_length_strategy: Literal["truncate", "drop"] = "truncate"
     packing: bool = False
 
     # fine-tune method

@@ -24,7 +24,7 @@ from .config import LOCAL_DATA_LOADERS, DatasetSpec, TrainConfig
 from .errors import first_line
 from .tokenized import TokenizedDataset
 
-PREPROCESS_VERSION = "2"  # bump when tokenisation changes, to invalidate caches
+PREPROCESS_VERSION = "3"  # bump when tokenisation changes, to invalidate caches
 MASKING_SAMPLE = 32  # examples per dataset checked against the masking guarantee
 DROP_WARNING_FRACTION = 0.05
 
@@ -158,6 +158,7 @@ class Encoded:
     labels: list[int]
     truncated: bool = False
     dropped: bool = False
+    response_cut: bool = False
 
 
 def encode_text(text: str, tokenizer, max_seq_length: int) -> Encoded:
@@ -168,12 +169,14 @@ def encode_text(text: str, tokenizer, max_seq_length: int) -> Encoded:
 
 
 def encode_chat(conversation: Conversation, tokenizer, plan: MaskingPlan, max_seq_length: int,
-                train_on_inputs: bool = False, truncation: str = "keep_response") -> Encoded:
+                train_on_inputs: bool = False, truncation: str = "keep_response",
+                excess_length_strategy: str = "truncate") -> Encoded:
     """Tokens and labels of a conversation that fits in max_seq_length.
 
     keep_response: a conversation that is too long loses its oldest turns first, then the start of the
-    last user turn, never the response (the turns after the last user message). It is dropped only
-    when even the response alone does not fit. right: cut at max_seq_length.
+    last user turn, never the response (the turns after the last user message). When even the response
+    alone does not fit, it keeps the end of the prompt and the start of the response (excess_length_strategy
+    truncate) or is dropped (drop). right: cut at max_seq_length.
     """
     messages = plan.prepare(conversation.messages)
 
@@ -197,7 +200,23 @@ def encode_chat(conversation: Conversation, tokenizer, plan: MaskingPlan, max_se
         if len(ids) <= max_seq_length:
             return Encoded(ids, labels, truncated=True)
     fitted = _cut_user_turn(encode, head, messages[last_user], response, tokenizer, max_seq_length)
-    return Encoded(*fitted, truncated=True) if fitted else Encoded([], [], truncated=True, dropped=True)
+    if fitted:
+        return Encoded(*fitted, truncated=True)
+    if excess_length_strategy == "drop":
+        return Encoded([], [], truncated=True, dropped=True)
+    ids, labels = encode(head + messages[last_user:])
+    return Encoded(*_cut_response(ids, labels, tokenizer, max_seq_length), truncated=True, response_cut=True)
+
+
+def _cut_response(ids: list[int], labels: list[int], tokenizer, max_seq_length: int) -> tuple[list[int], list[int]]:
+    """A conversation whose response alone is too long: the end of its prompt, at most half of max_seq_length
+    (after bos, kept where the tokenizer writes one), then as much of the response as fits. The response's end,
+    its end-of-turn token with it, is cut off, so the model is never taught to stop where the cut falls."""
+    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+    bos = 1 if first and ids[0] == getattr(tokenizer, "bos_token_id", None) else 0
+    start = max(bos, first - max(max_seq_length // 2 - bos, 0))
+    ids, labels = ids[:bos] + ids[start:], labels[:bos] + labels[start:]
+    return ids[:max_seq_length], labels[:max_seq_length]
 
 
 def _cut_user_turn(encode, head, user: dict, response, tokenizer, max_seq_length: int):
@@ -291,6 +310,7 @@ def cache_key(specs: list[DatasetSpec], tokenizer, config: TrainConfig) -> str:
         "max_seq_length": config.max_seq_length,
         "train_on_inputs": config.train_on_inputs,
         "truncation": config.truncation,
+        "excess_length_strategy": config.excess_length_strategy,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -303,6 +323,7 @@ class DatasetStats:
     rows: int = 0
     examples: int = 0  # kept
     truncated: int = 0
+    response_cut: int = 0  # of the truncated: even the response did not fit, its end was cut
     dropped: int = 0
     tokens: int = 0
     target_tokens: int = 0
@@ -310,8 +331,8 @@ class DatasetStats:
     masking_problems: str = ""
 
     def line(self) -> str:
-        return (f"{self.name}: {self.examples} of {self.rows} examples, {self.truncated} truncated, "
-                f"{self.dropped} dropped")
+        return (f"{self.name}: {self.examples} of {self.rows} examples, {self.truncated} truncated "
+                f"({self.response_cut} with the response cut), {self.dropped} dropped; labels: {self.masking}")
 
 
 @dataclass
@@ -330,7 +351,8 @@ class DataStats:
         for d in self.datasets:
             if d.rows and d.dropped / d.rows > DROP_WARNING_FRACTION:
                 lines.append(f"dataset {d.name}: {d.dropped} of {d.rows} examples ({d.dropped / d.rows:.0%}) dropped: "
-                             "even their response does not fit in max_seq_length; raise max_seq_length to keep them")
+                             "even their response does not fit in max_seq_length; raise max_seq_length or set "
+                             "excess_length_strategy: truncate to keep them")
             if d.masking_problems:
                 lines.append(f"dataset {d.name}: chat template {d.masking}: {d.masking_problems}")
         return lines
@@ -345,13 +367,20 @@ def _encoder(tokenizer, plan: MaskingPlan, config: TrainConfig, spec: DatasetSpe
         if isinstance(item, str):
             return encode_text(item, tokenizer, config.max_seq_length)
         try:
-            return encode_chat(item, tokenizer, plan, config.max_seq_length, config.train_on_inputs, config.truncation)
+            return encode_chat(item, tokenizer, plan, config.max_seq_length, config.train_on_inputs, config.truncation,
+                               config.excess_length_strategy)
         except DataError:
             raise
         except Exception as exc:  # jinja2 TemplateError and friends: the template rejects this conversation
             raise DataError(f"dataset {spec.name}: the chat template ({plan.name}) cannot render a row: "
                             f"{type(exc).__name__}: {first_line(exc, '')}") from None
     return encode
+
+
+def describe_plan(plan: MaskingPlan) -> str:
+    """How labels are made, for the log: `qwen3 (trl training template, recognised by rendering)`."""
+    how = f", recognised by {plan.recognised_by}" if plan.recognised_by == "rendering" else ""
+    return f"{plan.name} ({plan.method}{how})"
 
 
 def _check_sample(raw, fmt: str, spec: DatasetSpec, tokenizer, plan: MaskingPlan, config: TrainConfig) -> str:
@@ -362,7 +391,8 @@ def _check_sample(raw, fmt: str, spec: DatasetSpec, tokenizer, plan: MaskingPlan
     for example in raw.select(range(min(MASKING_SAMPLE, len(raw)))):
         conversation = to_conversation(example, fmt, spec)
         messages = plan.prepare(conversation.messages)
-        encoded = encode_chat(conversation, tokenizer, plan, config.max_seq_length, False, config.truncation)
+        encoded = encode_chat(conversation, tokenizer, plan, config.max_seq_length, False, config.truncation,
+                              config.excess_length_strategy)
         if not encoded.truncated:
             check_masking(tokenizer, plan, messages, conversation.tools, encoded.labels, encoded.input_ids, report)
     return report.summary()
@@ -382,6 +412,7 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig):
         def row(example, _encode=encode, _index=index):
             encoded = _encode(example)
             return {"input_ids": encoded.input_ids, "labels": encoded.labels, "truncated": encoded.truncated,
+                    "response_cut": encoded.response_cut,
                     "num_target_tokens": count_targets(encoded.labels), "length": len(encoded.input_ids),
                     "source": _index}
 
@@ -398,8 +429,9 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig):
         kept = encoded.filter(lambda ex: ex["num_target_tokens"] > 0, load_from_cache_file=False)
         stats.datasets.append(DatasetStats(
             name=spec.name, rows=len(raw), examples=len(kept), truncated=sum(kept["truncated"]),
+            response_cut=sum(kept["response_cut"]),
             dropped=len(encoded) - len(kept), tokens=sum(kept["length"]), target_tokens=sum(kept["num_target_tokens"]),
-            masking=f"{plan.name} ({plan.method})",
+            masking=describe_plan(plan),
             masking_problems="" if fmt == "text" else _check_sample(raw, fmt, spec, tokenizer, plan, config),
         ))
         parts.append(kept)

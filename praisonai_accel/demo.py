@@ -40,6 +40,21 @@ def demo_records(count: int = 256, seed: int = 0) -> list[dict]:
     return records
 
 
+def task_records(count: int, seed: int = 0, exclude: set[str] = frozenset()) -> list[dict]:
+    """A task with one checkable answer: repeat 2 or 3 names in reverse order. 10 names, so 1,100 inputs,
+    and held-out prompts (`exclude`: inputs already used) were never seen in training."""
+    rng = random.Random(seed)
+    records, seen = [], set(exclude)
+    while len(records) < count:
+        words = [rng.choice(_NAMES) for _ in range(rng.randint(2, 3))]
+        text = " ".join(words)
+        if text in seen:
+            continue
+        seen.add(text)
+        records.append({"instruction": "reverse the words", "input": text, "output": " ".join(reversed(words))})
+    return records
+
+
 def write_jsonl(records: list[dict], path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,6 +73,7 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # it writes blank lines to the terminal's stdout directly, past Python
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
@@ -70,11 +86,26 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def make_tiny_model(directory: Path, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> Path:
-    """Save a random-weight Llama and its tokenizer with save_pretrained, like a Hub model."""
+    """Save a random-weight Llama and its tokenizer with save_pretrained, like a Hub model, printing nothing."""
+    import contextlib
+    import io
+
+    from transformers.utils import logging as hf_logging
+
+    progress_bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return _make_tiny_model(Path(directory), seed, hidden_size, layers)
+    finally:
+        if progress_bars:
+            hf_logging.enable_progress_bar()
+
+
+def _make_tiny_model(directory: Path, seed: int, hidden_size: int, layers: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    directory = Path(directory)
     texts = []
     for r in demo_records(512, seed):
         texts += [r["instruction"], r["input"] or "", r["output"], "user", "assistant", "system"]
@@ -97,6 +128,30 @@ def make_tiny_model(directory: Path, seed: int = 0, hidden_size: int = 64, layer
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def demo_prompt(record: dict) -> list[dict]:
+    """A record's prompt as the alpaca format renders it (instruction, blank line, input)."""
+    return [{"role": "user", "content": f"{record['instruction']}\n\n{record['input']}"}]
+
+
+def held_out_answers(model, tokenizer, records: list[dict], max_new_tokens: int = 12) -> list[str]:
+    """Greedy answers to every record's prompt, in one left-padded batch."""
+    import torch
+
+    from .inference import stop_token_ids
+
+    prompts = [tokenizer.apply_chat_template(demo_prompt(r), tokenize=False, add_generation_prompt=True) for r in records]
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(model, tokenizer))
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in output[:, inputs["input_ids"].shape[1]:]]
+
+
+def exact_match(answers: list[str], records: list[dict]) -> float:
+    return sum(a == r["output"] for a, r in zip(answers, records)) / max(len(records), 1)
 
 
 def demo_config(model_dir: Path, data_path: Path, output_dir: Path, **overrides) -> dict:

@@ -11,7 +11,7 @@ from praisonai_accel.chat_masking import (
 )
 from praisonai_accel.ollama_template import derive
 
-from chat_families import original_templates, tokenizer_for, twin_of
+from chat_families import original_templates, template_text, tokenizer_for, twin_of
 from conftest import PHI3
 from go_template import render_ollama
 
@@ -37,6 +37,9 @@ CONVERSATIONS = {
 # The verbatim template itself ends a final reply with no end-of-turn token (GLM-4 stops on the next <|user|>,
 # which trl's twin appends); only the twin, which production uses, can train it.
 SPANS_CANNOT_TRAIN_FINAL_TERMINATOR = {"glm4moe"}
+# DeepSeek's twins train the <｜Assistant｜> role token the generation prompt writes; the span method leaves it to the
+# prompt, like every other family's role header.
+TWIN_TRAINS_ROLE_TOKEN = {"deepseek_r1_distill", "deepseekv3"}
 
 
 def supports(tokenizer, case: str) -> bool:
@@ -64,23 +67,47 @@ def masked(tokenizer, plan, case):
     return messages, tools, ids, labels, report
 
 
+def local_copy(template: str) -> str:
+    """The same template as a fine-tune's repo or a re-upload ships it: other whitespace inside the Jinja code
+    (outside what it prints) and a trailing comment, so the text differs and the rendering does not."""
+    return template.replace("{%- ", "{%-  ").replace("{{ ", "{{  ").replace(" }}", "  }}") + "\n{#- a local copy #}"
+
+
+@pytest.mark.parametrize("copy", ["verbatim", "local copy"])
 @pytest.mark.parametrize("name", original_templates())
-def test_every_reply_and_its_end_of_turn_are_trained_and_nothing_else(name):
-    tokenizer = tokenizer_for(name)
+def test_every_reply_and_its_end_of_turn_are_trained_and_nothing_else(name, copy):
+    """Every template trl ships, verbatim and as a local copy: a local copy is recognised by what it renders and
+    trained with the twin, exactly as the verbatim template is."""
+    template = template_text(name) if copy == "verbatim" else local_copy(template_text(name))
+    tokenizer = tokenizer_for(name, template)
     plan = plan_masking(tokenizer)
     twin = twin_of(name)
     assert plan.method == (METHOD_TWIN if twin else plan.method)
+    if twin:
+        assert plan.recognised_by == ("text" if copy == "verbatim" else "rendering")
+        assert plan.name == name or twin_of(plan.name) is not None
     cases = cases_for(name)
     assert {"single", "multi", "reasoning"} <= {case for case, _ in cases}
-    for case, _ in cases:
+    for case, conversation in cases:
         messages, tools, ids, labels, report = masked(tokenizer, plan, case)
         assert report.checked == 1 and report.ok, f"{name}/{case}: {report.summary()}"
         trained = [t for t, label in zip(ids, labels) if label != IGNORE_INDEX]
         assert trained, f"{name}/{case}: nothing trained"
+        if copy != "verbatim":
+            as_read = plan_masking(tokenizer, spans_only=True).prepare(conversation)
+            assert render(tokenizer, template, as_read, tools) == render(tokenizer, template_text(name), as_read, tools)
         if twin:  # the production labels are the twin's assistant-token mask, computed independently here
             out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=twin, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
-            assert labels == [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"])]
+            expected = [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"])]
+            if plan.name == name:
+                assert labels == expected
+            else:  # another of trl's templates rendering the same probes (phi3 and phi3_5): whitespace aside
+                assert _non_blank(tokenizer, ids, labels) == _non_blank(tokenizer, out["input_ids"], expected)
+
+
+def _non_blank(tokenizer, ids, labels):
+    return [(t, label != IGNORE_INDEX) for t, label in zip(ids, labels) if tokenizer.decode([t]).strip()]
 
 
 def _generation_prompts(tokenizer, template: str, messages: list[dict]) -> str:
@@ -98,8 +125,8 @@ def _generation_prompts(tokenizer, template: str, messages: list[dict]) -> str:
 @pytest.mark.parametrize("name", original_templates())
 def test_hand_written_spans_agree_with_trl_twins_and_keep_the_guarantee(name):
     """The span method on the verbatim template: the guarantee holds (or is reported where the template makes it
-    impossible), and where trl's twin renders the same tokens, both train the same tokens apart from whitespace
-    and the generation prompt's own tokens (which some twins train, e.g. GPT-OSS's <|start|>assistant)."""
+    impossible), and where trl's twin renders the same tokens, both train the same tokens apart from whitespace:
+    GPT-OSS's <|start|>assistant header and the <think> a generation prompt opens (Nemotron 3, Qwen3.5) included."""
     tokenizer = tokenizer_for(name)
     spans = plan_masking(tokenizer, spans_only=True)
     assert spans.method == METHOD_SPANS
@@ -122,10 +149,31 @@ def test_hand_written_spans_agree_with_trl_twins_and_keep_the_guarantee(name):
         for token, ours, theirs in zip(ids, labels, twin_labels):
             if (ours == IGNORE_INDEX) != (theirs == IGNORE_INDEX):
                 text = tokenizer.decode([token])
-                assert not text.strip() or (ours == IGNORE_INDEX and text.strip() in header), (
+                assert not text.strip() or (name in TWIN_TRAINS_ROLE_TOKEN and text in header), (
                     f"{name}/{case}: '{text}' trained by {'spans' if theirs == IGNORE_INDEX else 'the twin'} only")
     if twin and name not in ("qwen3", "glm4moe", "gemma", "gemma3", "idefics3", "smolvlm", "llava_next"):
         assert compared, f"{name}: the twin never renders like the verbatim template"
+
+
+@pytest.mark.parametrize("name, part", [("gptoss", "header"), ("nemotron_3_nano", "reasoning_opening"),
+                                        ("qwen3_5_think", "reasoning_opening")])
+def test_the_check_reports_an_untrained_header_or_reasoning_opening(name, part):
+    """The span method without its rule for what the generation prompt writes for the model leaves GPT-OSS's
+    <|start|>assistant or Nemotron's <think> untrained; the guarantee check says so."""
+    import dataclasses
+
+    tokenizer = tokenizer_for(name)
+    plan = plan_masking(tokenizer, spans_only=True)
+    assert getattr(plan, part), f"{name}: no {part} found"
+    messages = plan.prepare(CONVERSATIONS["multi"])
+    ids, labels = encode_conversation(tokenizer, dataclasses.replace(plan, **{part: ""}), messages)
+    report = MaskingReport()
+    check_masking(tokenizer, plan, messages, None, labels, ids, report)
+    assert any(what.startswith(("the header", "the reasoning opening")) for what in report.problems), report.summary()
+    ids, labels = encode_conversation(tokenizer, plan, messages)
+    report = MaskingReport()
+    check_masking(tokenizer, plan, messages, None, labels, ids, report)
+    assert report.ok, report.summary()
 
 
 @pytest.mark.skipif(not PHI3.is_dir(), reason="../shared/fixtures/phi-3-mini is absent")

@@ -113,8 +113,13 @@ def test_keep_response_drops_oldest_turns_then_cuts_the_user_turn_never_the_resp
     text = tokenizer.decode(tight.input_ids)
     assert tight.truncated and len(tight.input_ids) <= 40 and "question 2" not in text and "bob" in text
     assert trained_text(tight, tokenizer) == "answer 2 cy dee<|im_end|>"
-    dropped = encode(conversation, tokenizer, 8)  # even the response alone does not fit
+    dropped = encode(conversation, tokenizer, 8, excess_length_strategy="drop")  # even the response does not fit
     assert dropped.dropped
+    cut = encode(conversation, tokenizer, 8)  # the default keeps it: the prompt's end and the response's start
+    assert cut.truncated and cut.response_cut and not cut.dropped and len(cut.input_ids) == 8
+    assert tokenizer.decode(cut.input_ids).endswith(trained_text(cut, tokenizer)) and trained_text(cut, tokenizer) == "answer"
+    assert "<|im_end|>" not in trained_text(cut, tokenizer)  # the end of turn is cut off with the end of the response
+    assert cut.labels[0] == IGNORE_INDEX  # some of the prompt is kept
     right = encode(conversation, tokenizer, 40, truncation="right")
     assert len(right.input_ids) == 40 and trained_text(right, tokenizer) == ""  # what plain right-truncation loses
 
@@ -126,6 +131,27 @@ def test_keep_response_with_the_real_phi3_tokenizer(phi3_tokenizer):
     assert example.truncated and len(example.input_ids) <= 256
     assert trained_text(example, phi3_tokenizer).strip() == "A cat sat on a mat.<|end|><|endoftext|>"
     assert phi3_tokenizer.decode(example.input_ids).startswith("<|user|>")
+
+
+def test_the_benchmarks_long_rows_are_all_trained_by_default(tmp_path, tokenizer):
+    """The benchmark's long rows at 128 tokens: with excess_length_strategy drop, 213 of 400 are dropped (their
+    response alone is too long), where TRL and LLaMA-Factory train all 400. By default every row is trained."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from run import realistic_records
+
+    write_jsonl(realistic_records(400), tmp_path / "long.jsonl")
+    spec = [{"name": str(tmp_path / "long.jsonl")}]
+    by_default = config_for(tmp_path, spec, max_seq_length=128)
+    data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache")
+    (d,) = stats.datasets
+    assert (d.rows, d.examples, d.dropped) == (400, 400, 0) and len(data) == 400 and d.response_cut > 100
+    assert max(len(data[i]["input_ids"]) for i in range(len(data))) <= 128
+    drop = config_for(tmp_path, spec, max_seq_length=128, excess_length_strategy="drop")
+    _, stats, _ = load_or_build(drop.dataset, tokenizer, drop, tmp_path / "cache")
+    assert stats.datasets[0].dropped == d.response_cut and any("dropped" in w for w in stats.warnings())
 
 
 def test_local_formats_are_concatenated_cached_and_counted(tmp_path, tokenizer):
@@ -160,19 +186,26 @@ def test_cache_key_changes_with_tokenizer_and_max_seq_length(tmp_path, tokenizer
     other_template.chat_template = tokenizer.chat_template + " "
     keys = {cache_key(config.dataset, tokenizer, config), cache_key(config.dataset, other_template, config),
             cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], max_seq_length=64)),
-            cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], truncation="right"))}
-    assert len(keys) == 4
+            cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], truncation="right")),
+            cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], excess_length_strategy="drop"))}
+    assert len(keys) == 5
 
 
 def test_dropped_and_truncated_examples_are_counted_and_warned(tmp_path, tokenizer):
     rows = [{"instruction": "repeat the words " * 40, "input": "", "output": "ada " * 8}] * 3 + \
            [{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 5
     write_jsonl(rows, tmp_path / "a.jsonl")
-    config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=24)
+    config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=24,
+                        excess_length_strategy="drop")
     data, stats, _ = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
     (d,) = stats.datasets
     assert (d.rows, d.examples, d.dropped) == (7, 4, 3) and len(data) == 4  # the response alone exceeds 24 tokens
     assert any("3 of 7 examples (43%) dropped" in w for w in stats.warnings())
+    by_default = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=24)
+    data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache")
+    (d,) = stats.datasets
+    assert (d.examples, d.truncated, d.response_cut, d.dropped) == (7, 3, 3, 0) and not stats.warnings()
+    assert "3 truncated (3 with the response cut), 0 dropped" in d.line()
     keep = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=48)
     _, stats, _ = load_or_build(keep.dataset, tokenizer, keep, tmp_path / "cache")
     assert (stats.datasets[0].truncated, stats.datasets[0].dropped) == (3, 0)  # now the replies fit: prompts are cut

@@ -117,6 +117,9 @@ class TrainConfig(_Strict):
     seed: int = 3407
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     ddp_find_unused_parameters: bool | None = None
+    ddp_timeout: int = Field(default=1800, gt=0)  # seconds a collective waits for every rank (torch's default)
+    hang_timeout: float = Field(default=1800, ge=0)  # seconds without a finished step before a rank reports a hang; 0: off
+    preemption_grace_seconds: int = Field(default=120, ge=0)  # SIGTERM to SIGKILL, for the save (torchrun's default: 30)
     chunked_loss: bool = True  # LM head + cross-entropy at target positions only, in chunks; false: the model's full logits
     use_liger: Union[bool, Literal["auto"]] = "auto"  # liger-kernel's fused linear cross-entropy, on a GPU
 

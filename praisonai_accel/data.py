@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -248,9 +249,10 @@ def count_targets(labels) -> int:
     return sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
 
-def quiet_datasets() -> None:
-    """No progress bars and errors only from `datasets`, which reads these variables when it is imported."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+def quiet_datasets(progress: bool = False) -> None:
+    """Errors only from `datasets`, and its progress bars only when asked (a terminal): it reads these variables
+    when it is imported."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "0" if progress else "1")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
@@ -477,6 +479,49 @@ def load_datasets(config: TrainConfig, tokenizer):
     train, stats, cached = load_or_build(config.dataset, tokenizer, config, cache_dir(config))
     evaluation = load_or_build(config.eval_dataset, tokenizer, config, cache_dir(config))[0] if config.eval_dataset else None
     return train, stats, cached, evaluation
+
+
+def cache_entries(config: TrainConfig, tokenizer) -> list[Path]:
+    """The cache entries this config trains and evaluates on."""
+    return [Path(cache_dir(config)) / cache_key(specs, tokenizer, config)
+            for specs in (config.dataset, config.eval_dataset) if specs]
+
+
+def wait_for_cache(config: TrainConfig, tokenizer, failed: Path, poll_seconds: float = 0.2) -> None:
+    """Wait, through the file system and with no time limit, until the rank building the cache has finished it.
+
+    No collective is involved, so a preprocessing longer than ddp_timeout cannot time the other ranks out. If the
+    builder fails it writes `failed`, and this rank stops too; if it dies, the launcher stops this rank."""
+    entries = cache_entries(config, tokenizer)
+    while not all(TokenizedDataset.exists(e) and (e / STATS_FILE).exists() for e in entries):
+        if failed.exists():
+            raise DataError(f"preprocessing failed on the rank building the cache ({failed.read_text().strip()})")
+        time.sleep(poll_seconds)
+
+
+PREPROCESSING_ENV = "PRAISONAI_ACCEL_PREPROCESSING"  # the status file of a launcher that tokenizes for its workers
+
+
+def write_preprocessing_status(path: Path, status: str, error: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"status": status, "error": error}))
+    os.replace(tmp, path)
+
+
+def wait_for_launcher(status_file: Path, poll_seconds: float = 0.2) -> None:
+    """Wait, through the file system and with no time limit, for `praisonai-accel train`, which tokenizes while
+    its workers start; its error, if it failed, becomes this rank's."""
+    while True:
+        try:
+            status = json.loads(status_file.read_text())
+        except (OSError, ValueError):
+            status = {"status": "running"}
+        if status["status"] == "done":
+            return
+        if status["status"] == "failed":
+            raise DataError(status["error"])
+        time.sleep(poll_seconds)
 
 
 def report_stats(stats: DataStats, cached: bool) -> None:

@@ -43,6 +43,11 @@ class DistEnv:
         return self.rank == 0
 
 
+def attempt_id() -> str:
+    """The same on every rank of one launch attempt, different on a restart or another run."""
+    return "-".join(os.environ.get(k, "0") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"))
+
+
 def fsdp_requested(environ: Mapping[str, str] | None = None) -> bool:
     """accelerate launch with an FSDP config exports this to every worker."""
     environ = os.environ if environ is None else environ

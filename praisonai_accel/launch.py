@@ -116,6 +116,9 @@ def plan_launch(
     """`num_processes` is per node; the accelerate config written holds the total over all nodes."""
     nodes = nodes or Nodes()
     env: dict[str, str] = {}
+    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        # torchrun SIGKILLs its workers this long after relaying SIGTERM: long enough for the preemption save
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(config.preemption_grace_seconds)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif gpu_ids is not None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .config import ConfigError, load_config
 from .data import DataError
-from .distributed import VERBOSE_ENV, DistEnv, die_with_parent
+from .distributed import VERBOSE_ENV, DistEnv, attempt_id, die_with_parent
 from .errors import first_line
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as if the signal had ended us, but with a checkpoint on disk
@@ -90,7 +90,7 @@ def console_logging(rank: int) -> None:
 def _first_to_report(output_dir: Path) -> bool:
     """Ranks failing together (every rank hits the same DDP error) say it once: the first to claim this attempt's
     marker in the shared output_dir prints, the others only log."""
-    attempt = "-".join(os.environ.get(k, "0") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"))
+    attempt = attempt_id()
     try:
         os.close(os.open(Path(output_dir) / "logs" / f".reported-{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True

@@ -9,6 +9,7 @@ only then do 2 processes x batch B give the same update as 1 process x batch 2B.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import hashlib
 import itertools
@@ -27,15 +28,18 @@ from typing import Iterator
 from . import checkpoint as ckpt
 from .config import DEEPSPEED_REFUSED, ConfigError, TrainConfig
 from .data import (
-    LengthGroupedSampler, PadCollator, batch_targets, ensure_chat_template, load_datasets, quiet_datasets, report_stats,
+    PREPROCESSING_ENV, LengthGroupedSampler, PadCollator, batch_targets, cache_dir, ensure_chat_template, load_datasets,
+    quiet_datasets, report_stats, wait_for_cache, wait_for_launcher,
 )
-from .distributed import VERBOSE_ENV, DistEnv, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
+from .distributed import VERBOSE_ENV, DistEnv, attempt_id, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
+from .errors import first_line
 from .evaluation import evaluate, record_evaluation
 from .hub import model_card
 from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
 from .model import choose_backend, load_model_and_tokenizer, resolve_commit, trainable_parameter_count
 from .output_dirs import NotOurs, check_replaceable, replace_with
 from .sharded_state import parameter_bytes, reshard
+from .watchdog import Watchdog
 
 log = logging.getLogger("praisonai_accel")
 
@@ -165,26 +169,50 @@ def select_fsdp_on_cpu(accelerator) -> None:
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
 
 
+def sees_what_rank0_wrote(accelerator, directory: Path) -> bool:
+    """Whether this rank sees a file rank 0 has just written in `directory` (shared storage)."""
+    probe = directory / ".praisonai_shared_check"
+    token = os.environ.get("TORCHELASTIC_RUN_ID", "") + attempt_id()
+    if accelerator.is_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    accelerator.wait_for_everyone()
+    try:
+        seen = probe.is_file() and probe.read_text() == token
+    except OSError:
+        seen = False
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        probe.unlink(missing_ok=True)
+    return seen
+
+
 def check_shared_output_dir(accelerator, output_dir: Path) -> None:
     """Every rank must see what rank 0 writes in output_dir, or checkpoints and resume cannot work across nodes."""
     import torch
 
-    probe = output_dir / ".praisonai_shared_check"
-    token = os.environ.get("TORCHELASTIC_RUN_ID", "") + os.environ.get("MASTER_ADDR", "") + os.environ.get("MASTER_PORT", "")
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text(token)
-    accelerator.wait_for_everyone()
-    seen = probe.is_file() and probe.read_text() == token
+    seen = sees_what_rank0_wrote(accelerator, output_dir)
     missing = accelerator.reduce(torch.tensor([0.0 if seen else 1.0], device=accelerator.device), "sum")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        probe.unlink(missing_ok=True)
     if float(missing[0]) > 0:
         raise ConfigError(
             f"output_dir: {int(missing[0])} process(es) cannot see what rank 0 wrote in {output_dir}; with several "
             "nodes, output_dir must be on storage all nodes share (NFS, Lustre, a mounted bucket)"
         )
+
+
+def rng_snapshot() -> dict:
+    """The generators dropout draws from, cheap to take at every step (host-side states, no device sync)."""
+    import torch
+
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng(snapshot: dict) -> None:
+    import torch
+
+    torch.set_rng_state(snapshot["cpu"])
+    if snapshot["cuda"] is not None:
+        torch.cuda.set_rng_state_all(snapshot["cuda"])
 
 
 # ---------------------------------------------------------------- the recipe
@@ -217,8 +245,10 @@ class Recipe:
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
                         "code is on the model's main branch when it loads; pin it with revision: <commit>")
+        self.cache_shared = True
         if accelerator.num_processes > 1:
             check_shared_output_dir(accelerator, self.output_dir)
+            self.cache_shared = sees_what_rank0_wrote(accelerator, cache_dir(config))
         self.resume_from = self._find_resume_point()
         set_seed(config.seed)
         log.info("backend: %s%s | processes: %d (%s) | device: %s | mixed precision: %s", self.backend.name,
@@ -272,7 +302,9 @@ class Recipe:
 
     def _build_accelerator(self, use_cuda: bool, bf16: bool):
         from accelerate import Accelerator
-        from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
+        from accelerate.utils import (
+            DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration,
+        )
 
         config = self.config
         precision = resolve_mixed_precision(config.mixed_precision, use_cuda, bf16)
@@ -284,7 +316,8 @@ class Recipe:
             cpu=not use_cuda,
             gradient_accumulation_steps=1,  # accumulation is done by the loop, see module docstring
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused),
+                             InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
             log_with=config.trackers or None,
             project_config=ProjectConfiguration(project_dir=config.output_dir, logging_dir=str(self.output_dir / "runs"),
                                                 automatic_checkpoint_naming=False),
@@ -308,8 +341,23 @@ class Recipe:
     def _load_data(self):
         config, accelerator = self.config, self.accelerator
         started = time.perf_counter()
-        with accelerator.main_process_first():  # one tokenization for every node: output_dir is shared storage
+        # One rank tokenizes (rank 0, or each node's first where the cache is not shared storage) while the others
+        # wait through the file system: a collective would time out after ddp_timeout on a large dataset.
+        # `praisonai-accel train` tokenizes in the launcher while the workers start, and every rank waits for it.
+        builds = accelerator.is_main_process if self.cache_shared else accelerator.is_local_main_process
+        failed = self.output_dir / "logs" / f".preprocessing-failed-{attempt_id()}"
+        if os.environ.get(PREPROCESSING_ENV):
+            builds = False
+            wait_for_launcher(Path(os.environ[PREPROCESSING_ENV]))
+        elif not builds:
+            wait_for_cache(config, self.tokenizer, failed)
+        try:
             train, stats, from_cache, evaluation = load_datasets(config, self.tokenizer)
+        except Exception as exc:
+            if builds and accelerator.num_processes > 1:
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text(f"rank {accelerator.process_index}: {first_line(exc, type(exc).__name__)}")
+            raise
         self.preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
         report_stats(stats, from_cache)
         if config.val_split_ratio > 0:
@@ -450,17 +498,26 @@ class Recipe:
             ckpt.load_rng_state(rng_checkpoint, self.accelerator.process_index)
         return itertools.chain([first], batches)
 
-    def _optimizer_step(self, group: list) -> StepResult:
-        """Forward/backward every micro-batch, then one optimizer step; totals are over all ranks."""
+    def _optimizer_step(self, group: list) -> StepResult | None:
+        """Forward/backward every micro-batch, then one optimizer step; totals are over all ranks.
+
+        None when SIGTERM arrived between two micro-batches: a long step on a big model would otherwise end under
+        the launcher's SIGKILL before its checkpoint. The step is abandoned: gradients dropped and the RNG put back
+        as it was at the step's start, so the checkpoint of the last finished step resumes exactly."""
         import torch
 
         accelerator, model = self.accelerator, self.model
+        rng = rng_snapshot() if len(group) > 1 else None
         local = torch.tensor([sum(batch_targets(b) for b in group)], device=accelerator.device)
         step_targets = int(accelerator.reduce(local, reduction="sum").item())
         scale = accelerator.num_processes / max(step_targets, 1)  # DDP averages over ranks; micro-batch grads add up
         loss_sum = torch.zeros((), device=accelerator.device)
         tokens = positions = 0
         for index, batch in enumerate(group):
+            if index and self._stop_agreed():
+                self.optimizer.zero_grad(set_to_none=True)
+                restore_rng(rng)
+                return None
             last = index == len(group) - 1
             with nullcontext() if last else accelerator.no_sync(model):
                 summed = model(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids"))
@@ -480,6 +537,13 @@ class Recipe:
             [float(loss_sum), float(tokens), float(positions), float(self.stop_requested)], device=accelerator.device), "sum")
         return StepResult(loss_sum=float(totals[0]), targets=step_targets, tokens=int(totals[1]),
                           positions=int(totals[2]), grad_norm=grad_norm, stop=bool(totals[3] > 0))
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank has been asked to stop: every rank must leave the step at the same micro-batch."""
+        import torch
+
+        flag = torch.tensor([float(self.stop_requested)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "sum")[0] > 0)
 
     def evaluate(self) -> float:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
@@ -540,12 +604,18 @@ class Recipe:
         window = Window()
         stop_early = False
         self.model.train()
-        with metrics:
+        log_path = self.output_dir / "logs" / f"rank-{accelerator.process_index}.log"
+        with metrics, Watchdog(config.hang_timeout, accelerator.process_index, log_path) as watchdog:
             while state.global_step < self.total_steps and state.epoch < epochs and not stop_early:
                 batches = self._epoch_batches(state.epoch)
                 batches_per_epoch = len(self.loader)
                 for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
                     step = self._optimizer_step(group)
+                    watchdog.progress()
+                    if step is None:  # SIGTERM between micro-batches: the step was abandoned, save where the last ended
+                        saved = self.save_checkpoint()
+                        self._write_progress("preempted")
+                        raise Preempted(saved)
                     state.global_step += 1
                     state.batches_in_epoch += len(group)
                     consumed = sum(len(b["input_ids"]) for b in group) * world
@@ -564,6 +634,7 @@ class Recipe:
                         window = Window()
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         eval_loss = self.evaluate()
+                        watchdog.progress()
                         metrics.log_event({"step": state.global_step, "eval_loss": eval_loss})
                         stop_early = record_evaluation(config, state, eval_loss, self._saves_at(state.global_step, end_of_epoch))
                     if step.stop:
@@ -572,6 +643,7 @@ class Recipe:
                         raise Preempted(saved)
                     if self._saves_at(state.global_step, end_of_epoch):
                         self.save_checkpoint()
+                        watchdog.progress()
                     if last or stop_early:
                         break
             if stop_early:

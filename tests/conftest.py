@@ -77,9 +77,14 @@ FAULTS = Path(__file__).resolve().parent / "faults"  # a sitecustomize that inje
 
 def crash_env(where: str, env: dict | None = None) -> dict:
     """The environment of a run whose rank 0 dies inside a save (see tests/faults/sitecustomize.py)."""
+    return fault_env(env, CRASH_IN_SAVE=where)
+
+
+def fault_env(env: dict | None = None, **faults: str) -> dict:
+    """The environment of a run with faults injected (PRAISONAI_ACCEL_TEST_<NAME>, see tests/faults/sitecustomize.py)."""
     env = dict(env or cpu_env())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH", "")) if p)
-    env["PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE"] = where
+    env.update({f"PRAISONAI_ACCEL_TEST_{name}": value for name, value in faults.items()})
     return env
 
 

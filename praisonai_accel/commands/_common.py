@@ -140,12 +140,15 @@ def bf16_supported() -> bool:
 
 
 def tokenized_or_fail(config):
-    """The tokenizer and the tokenized datasets exactly as training sees them (the same cache), or one line."""
+    """The tokenizer and the tokenized datasets exactly as training sees them (the same cache), or one line.
+    Preprocessing shows progress bars on a terminal."""
+    import sys
+
     from ..data import DataError, ensure_chat_template, load_datasets
     from ..errors import first_line
     from ..model import load_tokenizer
 
-    quiet_tokenizing()
+    quiet_tokenizing(progress=sys.stderr.isatty())
     try:
         tokenizer = load_tokenizer(config)
     except (OSError, ValueError) as exc:
@@ -157,12 +160,12 @@ def tokenized_or_fail(config):
         fail(str(exc))
 
 
-def quiet_tokenizing() -> None:
+def quiet_tokenizing(progress: bool = False) -> None:
     import os
 
     from ..data import quiet_datasets
 
-    quiet_datasets()
+    quiet_datasets(progress)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 

@@ -130,6 +130,49 @@ def train_command(
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
+    status = preprocess_beside_workers(cfg, plan)
     where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
     typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)
-    raise typer.Exit(launch(plan))
+    try:
+        code = launch(plan)
+    finally:
+        status.unlink(missing_ok=True)
+    raise typer.Exit(code)
+
+
+def preprocess_beside_workers(cfg, plan) -> Path:
+    """Tokenize in this process while the workers start (importing torch and loading the model takes them longer
+    than a small dataset takes here); they wait for it through a status file, never in a collective that would time
+    out on a large dataset. A failure reaches the console once, through rank 0."""
+    import sys
+    import threading
+    import uuid
+
+    from ..data import PREPROCESSING_ENV, DataError, ensure_chat_template, load_datasets, write_preprocessing_status
+    from ..model import load_tokenizer
+    from ._common import quiet_tokenizing
+
+    status = cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
+    write_preprocessing_status(status, "running")
+    plan.env[PREPROCESSING_ENV] = str(status.resolve())
+    quiet_tokenizing(progress=sys.stderr.isatty())
+
+    def work() -> None:
+        try:
+            tokenizer = load_tokenizer(cfg)
+        except Exception as exc:
+            write_preprocessing_status(status, "failed", f"model_name: cannot load the tokenizer of "
+                                                         f"'{cfg.tokenizer_name or cfg.model_name}': {first_line(exc)}")
+            return
+        try:
+            ensure_chat_template(tokenizer, cfg.chat_template)
+            load_datasets(cfg, tokenizer)
+        except DataError as exc:
+            write_preprocessing_status(status, "failed", str(exc))
+        except Exception as exc:
+            write_preprocessing_status(status, "failed", f"preprocessing: {type(exc).__name__}: {first_line(exc)}")
+        else:
+            write_preprocessing_status(status, "done")
+
+    threading.Thread(target=work, name="preprocessing", daemon=True).start()
+    return status

@@ -4,6 +4,10 @@ PYTHONPATH (conftest.crash_env), in the launcher and in every worker.
 PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE=N        rank 0 dies in the save of step N after the weights, optimizer and
                                             scheduler are written, before the checkpoint is marked complete
 PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE=N:state  rank 0 dies as accelerator.save_state starts, before anything is written
+PRAISONAI_ACCEL_TEST_PREPROCESS=sleep:S     tokenizing takes S seconds longer, on rank 0 (or in the launcher)
+PRAISONAI_ACCEL_TEST_PREPROCESS=fail        tokenizing raises, on rank 0 (or in the launcher)
+PRAISONAI_ACCEL_TEST_HANG=R:N               rank R sleeps for an hour inside the forward of step N
+PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH=S     every micro-batch forward takes S seconds longer, on every rank
 """
 
 import importlib.abc
@@ -12,6 +16,9 @@ import sys
 from pathlib import Path
 
 _SPEC = os.environ.get("PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE", "")
+_PREPROCESS = os.environ.get("PRAISONAI_ACCEL_TEST_PREPROCESS", "")
+_HANG = os.environ.get("PRAISONAI_ACCEL_TEST_HANG", "")
+_SLOW_MICRO_BATCH = float(os.environ.get("PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH", "0"))
 
 
 def _rank0() -> bool:
@@ -42,7 +49,43 @@ def _patch_checkpoint(module) -> None:
     module.CheckpointState.write = write
 
 
-_PATCHES = {"accelerate.accelerator": _patch_accelerator, "praisonai_accel.checkpoint": _patch_checkpoint}
+def _patch_data(module) -> None:
+    import time
+
+    original = module.tokenize_dataset
+
+    def tokenize_dataset(*args, **kwargs):
+        if _rank0() and _PREPROCESS == "fail":
+            raise RuntimeError("injected preprocessing failure")
+        if _rank0() and _PREPROCESS.startswith("sleep:"):
+            time.sleep(float(_PREPROCESS.split(":")[1]))
+        return original(*args, **kwargs)
+
+    module.tokenize_dataset = tokenize_dataset
+
+
+def _patch_loss(module) -> None:
+    import time
+
+    rank, _, step = _HANG.partition(":")
+    original = module.CausalLMLoss.forward
+    calls = {"n": 0}
+
+    def forward(self, *args, **kwargs):
+        calls["n"] += 1
+        if _HANG and int(os.environ.get("RANK", "0")) == int(rank) and calls["n"] == int(step):
+            time.sleep(3600)
+        if _SLOW_MICRO_BATCH:
+            time.sleep(_SLOW_MICRO_BATCH)
+        return original(self, *args, **kwargs)
+
+    module.CausalLMLoss.forward = forward
+
+
+_PATCHES = {name: patch for name, patch, wanted in (
+    ("accelerate.accelerator", _patch_accelerator, _SPEC), ("praisonai_accel.checkpoint", _patch_checkpoint, _SPEC),
+    ("praisonai_accel.data", _patch_data, _PREPROCESS), ("praisonai_accel.loss", _patch_loss, _HANG or _SLOW_MICRO_BATCH),
+) if wanted}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -69,5 +112,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _SPEC:
+if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport())

@@ -37,6 +37,9 @@ RESUMABLE_KEYS = {
     "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
     "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "force_resume",
 }
+REENTRANT_WITH_UNUSED = (
+    "ddp_find_unused_parameters: true cannot work with reentrant gradient checkpointing (unsloth's, or "
+    "use_gradient_checkpointing: reentrant) under DDP: a parameter is marked ready twice; leave it unset")
 DEEPSPEED_REFUSED = ("DeepSpeed is not supported: its engine would step the optimizer after every micro-batch of this "
                      "loop's gradient accumulation; shard the model with --fsdp (FSDP2) instead")
 # Control characters in a path or name end a line of a generated script or manifest: never accepted.
@@ -71,7 +74,7 @@ class TrainConfig(_Strict):
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device_map: Union[str, dict[str, Union[int, str]], None] = None
     use_unsloth: Union[bool, Literal["auto"]] = "auto"
-    use_gradient_checkpointing: Union[bool, Literal["unsloth"]] = False
+    use_gradient_checkpointing: Union[bool, Literal["unsloth", "reentrant"]] = False
     trust_remote_code: bool = False
 
     # data
@@ -118,6 +121,7 @@ class TrainConfig(_Strict):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     ddp_find_unused_parameters: bool | None = None
     ddp_timeout: int = Field(default=1800, gt=0)  # seconds a collective waits for every rank (torch's default)
+    preflight_timeout: float = Field(default=60, gt=0)  # seconds for the all-reduce every rank does before loading
     hang_timeout: float = Field(default=1800, ge=0)  # seconds without a finished step before a rank reports a hang; 0: off
     preemption_grace_seconds: int = Field(default=120, ge=0)  # SIGTERM to SIGKILL, for the save (torchrun's default: 30)
     chunked_loss: bool = True  # LM head + cross-entropy at target positions only, in chunks; false: the model's full logits

@@ -89,18 +89,6 @@ def mark_unsloth_ddp(env: DistEnv, environ: dict | None = None) -> None:
         environ[UNSLOTH_DDP_FLAG] = "1"
 
 
-def ensure_unsloth_ddp_flag(env: DistEnv, environ: dict | None = None) -> bool:
-    """Re-assert the flag right before the PEFT model is built.
-
-    unsloth's FastLanguageModel.from_pretrained resets it to "0"; returns True when it had to be restored.
-    """
-    environ = os.environ if environ is None else environ
-    if not env.is_distributed or environ.get(UNSLOTH_DDP_FLAG) == "1":
-        return False
-    environ[UNSLOTH_DDP_FLAG] = "1"
-    return True
-
-
 def die_with_parent() -> None:
     """Ask Linux to kill this process when its launcher dies, even by SIGKILL.
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import ConfigError, TrainConfig
 from .errors import first_line
-from .distributed import DistEnv, ensure_unsloth_ddp_flag, fsdp_requested, mark_unsloth_ddp, resolve_device_map
+from .distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,12 @@ def resolve_commit(config: TrainConfig) -> str | None:
 
 
 def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unsloth: Any, dtype):
-    fast = unsloth.FastLanguageModel
+    """One unsloth path from loading to the PEFT model. FastLanguageModel.from_pretrained sets UNSLOTH_USE_NEW_MODEL=0
+    and loads Llama, Mistral, Gemma, Gemma 2, Qwen2 and Qwen3 with FastLlamaModel (its fast path, whose reentrant
+    checkpointing DDP cannot use with unused-parameter detection); FastModel (FastBaseModel) sets it to 1. Their
+    get_peft_model picks its path from that flag. Under DDP both steps go through FastModel; on one process through
+    FastLanguageModel. The flag is never changed between them, so a model is never given the other path's PEFT."""
+    fast = unsloth.FastModel if env.is_distributed else unsloth.FastLanguageModel
     model, tokenizer = fast.from_pretrained(
         model_name=config.model_name,
         max_seq_length=config.max_seq_length,
@@ -112,9 +117,6 @@ def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unslo
         trust_remote_code=config.trust_remote_code,
     )
     if config.uses_lora:
-        # unsloth's from_pretrained sets the flag back to "0"; a DDP run needs it at "1" from here on.
-        if ensure_unsloth_ddp_flag(env):
-            log.info("restored UNSLOTH_USE_NEW_MODEL=1 after unsloth reset it")
         model = fast.get_peft_model(model, **lora_settings(config), random_state=config.seed,
                                     use_gradient_checkpointing=config.use_gradient_checkpointing)
     return model, tokenizer
@@ -148,7 +150,7 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
         kwargs["quantization_config"] = _quantization_config(dtype)
     model = AutoModelForCausalLM.from_pretrained(config.model_name, **kwargs)
     checkpointing = bool(config.use_gradient_checkpointing)
-    ckpt_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks DDP with unused parameters
+    ckpt_kwargs = {"use_reentrant": config.use_gradient_checkpointing == "reentrant"}
     if config.finetune_type == "qlora":
         from peft import prepare_model_for_kbit_training
 
@@ -179,6 +181,26 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
     except (OSError, ValueError) as exc:  # missing files, bad repo ids, unreadable configs
         first = first_line(exc)
         raise ConfigError(f"model_name: cannot load '{config.model_name}': {first}") from None
+
+
+def uses_reentrant_checkpointing(config: TrainConfig, backend: Backend) -> bool:
+    """torch's reentrant checkpointing: asked for, or unsloth's own (its checkpointer is a reentrant autograd Function).
+    Under DDP it marks a parameter ready twice when unused parameters are searched for (find_unused_parameters)."""
+    return config.use_gradient_checkpointing == "reentrant" or (backend.name == "unsloth"
+                                                                and bool(config.use_gradient_checkpointing))
+
+
+def parameters_without_gradient(loss_module, batch) -> list[str]:
+    """The trainable parameters one forward and backward of `batch` leaves without a gradient; the RNG is left as
+    it was and the gradients are dropped."""
+    import torch
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        loss_module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids")).backward()
+    missing = [name for name, p in loss_module.named_parameters() if p.requires_grad and p.grad is None]
+    loss_module.zero_grad(set_to_none=True)
+    return missing
 
 
 def trainable_parameter_count(model) -> tuple[int, int]:

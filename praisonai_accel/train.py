@@ -30,12 +30,17 @@ FAILED_EXIT_CODE = 1
 # Errors a rank sees when another rank has already died: its own line would only mislead.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "recvBytes", "NCCL communicator was aborted",
               "Socket Timeout", "failed to recv", "Connection refused")
+_COLLECTIVE_TIMEOUT = ("a collective timed out after ddp_timeout: another rank is slower or stuck (its log says "
+                       "where); raise ddp_timeout if it is only slow")
 _HINTS = {
     "Expected to have finished reduction": (
         "DDP found parameters that received no gradient in this step (a vision tower or MoE experts unused by "
         "text-only data); set ddp_find_unused_parameters: true"),
-    "marked ready twice": ("a parameter was used twice in one backward under DDP (gradient checkpointing with "
-                           "reentrant=True?); set ddp_find_unused_parameters: false or turn checkpointing off"),
+    "mark a variable ready only once": (
+        "a parameter was marked ready twice in one backward under DDP: reentrant gradient checkpointing with "
+        "unused-parameter detection; leave ddp_find_unused_parameters unset, or use use_gradient_checkpointing: true"),
+    "Timed out waiting": _COLLECTIVE_TIMEOUT,
+    "collective operation timeout": _COLLECTIVE_TIMEOUT,  # NCCL's watchdog
     "CUDA out of memory": "out of GPU memory; lower per_device_train_batch_size or max_seq_length, or turn on "
                           "use_gradient_checkpointing",
 }
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_path = log_to_file(config.output_path(), env.rank)
     where = f" (full log: {log_path})" if log_path else ""
+    from .preflight import PreflightError
     from .trainer import DiskFull, Preempted, train
 
     try:
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("praisonai_accel").debug("%s", exc)
         if env.local_rank == 0:  # every rank hits the same bad input; say it once
             print(f"error: {exc}", file=sys.stderr)
-        _close_process_group(wait_for_others=False)
+        if not isinstance(exc, PreflightError):  # its all-reduce may still be pending: destroying would wait for it
+            _close_process_group(wait_for_others=False)
         return 2
     except DiskFull as exc:
         if env.rank == 0:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import checkpoint as ckpt
-from .config import DEEPSPEED_REFUSED, ConfigError, TrainConfig
+from .config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
 from .data import (
     PREPROCESSING_ENV, LengthGroupedSampler, PadCollator, batch_targets, cache_dir, ensure_chat_template, load_datasets,
     quiet_datasets, report_stats, wait_for_cache, wait_for_launcher,
@@ -36,8 +36,12 @@ from .errors import first_line
 from .evaluation import evaluate, record_evaluation
 from .hub import model_card
 from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
-from .model import choose_backend, load_model_and_tokenizer, resolve_commit, trainable_parameter_count
+from .model import (
+    choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
+    uses_reentrant_checkpointing,
+)
 from .output_dirs import NotOurs, check_replaceable, replace_with
+from .preflight import run_preflight
 from .sharded_state import parameter_bytes, reshard
 from .watchdog import Watchdog
 
@@ -200,6 +204,17 @@ def check_shared_output_dir(accelerator, output_dir: Path) -> None:
         )
 
 
+def packing_for(config: TrainConfig, backend, warn: bool = True) -> bool:
+    """Packing, unless unsloth trains: it ignores the attention mask in training and keeps packed examples apart only
+    when given their lengths (and its flash-attention path reshapes a batch past its max_seq_length)."""
+    if config.packing and backend.name == "unsloth":
+        if warn:
+            log.warning("warning: packing: off under unsloth, which would let packed examples attend to each other; "
+                        "set use_unsloth: false to pack")
+        return False
+    return config.packing
+
+
 def rng_snapshot() -> dict:
     """The generators dropout draws from, cheap to take at every step (host-side states, no device sync)."""
     import torch
@@ -237,6 +252,8 @@ class Recipe:
         use_cuda = torch.cuda.is_available()
         bf16 = gpu_has_bf16()  # the model's dtype, LoRA's, autocast's and unsloth's all follow from this one answer
         self.backend = choose_backend(config, self.env, use_cuda)  # imports unsloth, if at all, before transformers
+        self.reentrant = uses_reentrant_checkpointing(config, self.backend)
+        self.packing = packing_for(config, self.backend, warn=self.env.is_main)
         self.accelerator = accelerator = self._build_accelerator(use_cuda, bf16)
         quiet_libraries(self.verbose)
         if accelerator.distributed_type.name == "DEEPSPEED":  # launched with a DeepSpeed config, past the CLI
@@ -246,6 +263,8 @@ class Recipe:
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
                         "code is on the model's main branch when it loads; pin it with revision: <commit>")
         self.cache_shared = True
+        run_preflight(accelerator, config, local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                      fsdp=fsdp_requested())
         if accelerator.num_processes > 1:
             check_shared_output_dir(accelerator, self.output_dir)
             self.cache_shared = sees_what_rank0_wrote(accelerator, cache_dir(config))
@@ -269,6 +288,8 @@ class Recipe:
                               "was dropped); add data or lower val_split_ratio")
         loader = self._train_loader(train_data)
         loss_module = self._loss_module(model, use_cuda)
+        if self.reentrant and accelerator.num_processes > 1:
+            self._check_every_trainable_parameter_learns(loss_module, train_data)
         optimizer = self._build_optimizer(loss_module)
         self.model, self.optimizer, self.loader = accelerator.prepare(loss_module, optimizer, loader)
         self.parameter_bytes = parameter_bytes(self.model)  # this rank's share: 1/N of each layer under FSDP
@@ -298,7 +319,19 @@ class Recipe:
                                           config=_tracker_config(config))
         world, accum, per_device = accelerator.num_processes, config.gradient_accumulation_steps, config.per_device_train_batch_size
         log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d%s", self.total_steps, self.steps_per_epoch,
-                 per_device, accum, world, per_device * accum * world, " rows" if config.packing else "")
+                 per_device, accum, world, per_device * accum * world, " rows" if self.packing else "")
+
+    def _check_every_trainable_parameter_learns(self, loss_module, dataset) -> None:
+        """Reentrant checkpointing under DDP runs without unused-parameter detection, which is only right when every
+        trainable parameter gets a gradient from a batch: checked on one example before DDP wraps the model."""
+        batch = PadCollator(self.tokenizer.pad_token_id)([dataset[0]])
+        missing = parameters_without_gradient(loss_module, {k: v.to(self.accelerator.device) for k, v in batch.items()})
+        if missing:
+            raise ConfigError(
+                f"reentrant gradient checkpointing (unsloth's, or use_gradient_checkpointing: reentrant) under DDP needs "
+                f"every trainable parameter to get a gradient, and {len(missing)} get none ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}); use use_gradient_checkpointing: true (non-reentrant, "
+                "transformers) or leave those modules out of lora_target_modules")
 
     def _build_accelerator(self, use_cuda: bool, bf16: bool):
         from accelerate import Accelerator
@@ -310,7 +343,9 @@ class Recipe:
         precision = resolve_mixed_precision(config.mixed_precision, use_cuda, bf16)
         find_unused = config.ddp_find_unused_parameters
         if find_unused is None:
-            find_unused = self.env.is_distributed
+            find_unused = self.env.is_distributed and not self.reentrant
+        elif find_unused and self.reentrant and self.env.is_distributed:
+            raise ConfigError(REENTRANT_WITH_UNUSED)
         accelerator = Accelerator(
             mixed_precision=precision,
             cpu=not use_cuda,
@@ -375,7 +410,7 @@ class Recipe:
         config = self.config
         common = {"batch_size": config.per_device_train_batch_size, "collate_fn": PadCollator(self.tokenizer.pad_token_id)}
         lengths = dataset.lengths
-        if config.packing:
+        if self.packing:
             dataset = PackedDataset(dataset, lengths, config.max_seq_length)
             fill = sum(dataset.row_lengths) / (len(dataset) * config.max_seq_length)
             log.info("packing: %d examples in %d rows of %d tokens (%.1f%% full)", len(lengths), len(dataset),

@@ -10,7 +10,7 @@ import pytest
 
 from praisonai_accel.config import ConfigError, parse_config
 from praisonai_accel.distributed import (
-    DistEnv, ensure_unsloth_ddp_flag, mark_unsloth_ddp, resolve_device_map, resolve_mixed_precision,
+    DistEnv, mark_unsloth_ddp, resolve_device_map, resolve_mixed_precision,
 )
 from praisonai_accel import model as model_module
 
@@ -66,32 +66,44 @@ def test_unsloth_flag_is_set_only_under_ddp():
     assert environ == {}
     mark_unsloth_ddp(DistEnv(0, 0, 2), environ)
     assert environ == {"UNSLOTH_USE_NEW_MODEL": "1"}
-    environ["UNSLOTH_USE_NEW_MODEL"] = "0"
-    assert ensure_unsloth_ddp_flag(DistEnv(0, 0, 2), environ) is True and environ["UNSLOTH_USE_NEW_MODEL"] == "1"
-    assert ensure_unsloth_ddp_flag(DistEnv(0, 0, 2), environ) is False
 
 
 def _fake_unsloth(seen: dict):
-    """Behaves like unsloth where it matters here: from_pretrained resets the DDP flag to 0."""
+    """unsloth's dispatch as its 2026 source has it: FastLanguageModel.from_pretrained sets UNSLOTH_USE_NEW_MODEL=0 and
+    loads a Llama with FastLlamaModel; FastModel (FastBaseModel) sets it to 1; get_peft_model takes the path the flag
+    names, whichever class it is called on."""
+
+    def peft(model, **kwargs):
+        path = "FastBaseModel" if os.environ.get("UNSLOTH_USE_NEW_MODEL", "0") == "1" else "FastLlamaModel"
+        seen["peft_path"], seen["peft"] = path, kwargs
+        return f"peft-model({model} via {path})"
 
     class FastLanguageModel:
         @staticmethod
         def from_pretrained(**kwargs):
-            seen["from_pretrained"] = kwargs
-            seen["flag_at_load"] = os.environ.get("UNSLOTH_USE_NEW_MODEL")
             os.environ["UNSLOTH_USE_NEW_MODEL"] = "0"
-            return "model", "tokenizer"
+            seen["from_pretrained"], seen["load_path"] = kwargs, "FastLlamaModel"
+            return "llama", "tokenizer"
 
+        get_peft_model = staticmethod(peft)
+
+    class FastModel:
         @staticmethod
-        def get_peft_model(model, **kwargs):
-            seen["flag_at_peft"] = os.environ.get("UNSLOTH_USE_NEW_MODEL")
-            seen["peft"] = kwargs
-            return "peft-model"
+        def from_pretrained(**kwargs):
+            os.environ["UNSLOTH_USE_NEW_MODEL"] = "1"
+            seen["from_pretrained"], seen["load_path"] = kwargs, "FastBaseModel"
+            return "base", "tokenizer"
 
-    return types.SimpleNamespace(FastLanguageModel=FastLanguageModel)
+        get_peft_model = staticmethod(peft)
+
+    return types.SimpleNamespace(FastLanguageModel=FastLanguageModel, FastModel=FastModel)
 
 
-def test_flag_is_1_before_import_and_again_when_the_peft_model_is_built(monkeypatch):
+@pytest.mark.parametrize("world_size, path", [(2, "FastBaseModel"), (1, "FastLlamaModel")])
+def test_unsloth_loads_and_builds_the_peft_model_on_one_path(monkeypatch, world_size, path):
+    """Under DDP, loading and get_peft_model both go through FastModel (FastBaseModel); on one process both through
+    FastLanguageModel (FastLlamaModel). Setting the flag back to 1 after FastLanguageModel loaded, as this project did,
+    gave a FastLlamaModel model FastBaseModel's PEFT path."""
     seen: dict = {}
     monkeypatch.delenv("UNSLOTH_USE_NEW_MODEL", raising=False)
     monkeypatch.setitem(sys.modules, "unsloth", _fake_unsloth(seen))
@@ -102,13 +114,13 @@ def test_flag_is_1_before_import_and_again_when_the_peft_model_is_built(monkeypa
 
     monkeypatch.setattr(model_module, "import_unsloth", import_unsloth)
     config = parse_config({"model_name": "m", "dataset": "d", "lora_r": 4})
-    env = DistEnv(rank=1, local_rank=1, world_size=2)
+    env = DistEnv(rank=world_size - 1, local_rank=world_size - 1, world_size=world_size)
     backend = model_module.choose_backend(config, env, use_cuda=True)
-    assert backend.name == "unsloth" and seen["flag_at_import"] == "1"
+    assert backend.name == "unsloth" and seen["flag_at_import"] == ("1" if world_size > 1 else None)
     model, tokenizer = model_module.load_model_and_tokenizer(config, env, backend, use_cuda=True, bf16_supported=True)
-    assert (model, tokenizer) == ("peft-model", "tokenizer")
-    assert seen["flag_at_load"] == "1" and seen["flag_at_peft"] == "1"
-    assert seen["from_pretrained"]["device_map"] == {"": 1}
+    assert seen["load_path"] == seen["peft_path"] == path and tokenizer == "tokenizer"
+    assert model == f"peft-model({'base' if world_size > 1 else 'llama'} via {path})"
+    assert seen["from_pretrained"]["device_map"] == ({"": 1} if world_size > 1 else {"": 0})
     assert seen["peft"]["r"] == 4 and seen["peft"]["random_state"] == config.seed
 
 
@@ -162,3 +174,36 @@ def test_bf16_only_from_compute_capability_8_and_every_dtype_agrees(monkeypatch,
     backend = model_module.Backend("unsloth", module=sys.modules["unsloth"])
     model_module.load_model_and_tokenizer(lora, DistEnv(), backend, use_cuda=True, bf16_supported=bf16)
     assert seen["from_pretrained"]["dtype"] == getattr(torch, dtype)
+
+
+def test_packing_is_turned_off_under_unsloth_with_one_warning(caplog):
+    from praisonai_accel.model import Backend
+    from praisonai_accel.trainer import packing_for
+
+    config = parse_config({"model_name": "m", "dataset": "d", "packing": True})
+    with caplog.at_level("WARNING", logger="praisonai_accel"):
+        assert packing_for(config, Backend("transformers")) is True and not caplog.records
+        assert packing_for(config, Backend("unsloth")) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: packing: off under unsloth, which would let packed examples attend to each other; "
+        "set use_unsloth: false to pack"]
+    assert packing_for(parse_config({"model_name": "m", "dataset": "d"}), Backend("unsloth")) is False
+
+
+def test_dependency_floors_cover_what_the_code_needs_and_what_is_tested():
+    """from_pretrained(dtype=) needs transformers 4.56, packing's position-id detection 4.54, FSDP2 accelerate 1.6 and
+    torch 2.6; the versions this suite runs with must satisfy every floor."""
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    requirements = {r.name: r for r in map(Requirement, pyproject["project"]["dependencies"])}
+    floor = lambda name: min(Version(s.version) for s in requirements[name].specifier if s.operator == ">=")
+    assert floor("transformers") >= Version("4.56") and floor("accelerate") >= Version("1.6")
+    assert floor("torch") >= Version("2.6")
+    for name, requirement in requirements.items():
+        assert requirement.specifier.contains(version(name).split("+")[0], prereleases=True), (name, version(name))

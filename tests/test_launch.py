@@ -48,7 +48,7 @@ def test_multi_process_plan_is_an_argument_list_with_explicit_config_file(tmp_pa
         "py", "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "out" / "accelerate_config.yaml"),
         "--main_process_port", "29999", "-m", "praisonai_accel.train", "cfg.yaml",
     ]
-    assert plan.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": "0,1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}  # the preemption save's grace
     assert plan.accelerate_config["distributed_type"] == "MULTI_GPU" and plan.accelerate_config["num_processes"] == 2
 
 
@@ -130,8 +130,8 @@ def test_dry_run_prints_config_batch_and_exact_command_and_runs_nothing(tmp_path
     assert f"model_name: {tiny_model}" in out
     command = out.strip().splitlines()[-1]
     words = shlex.split(command)
-    assert words[0] == "CUDA_VISIBLE_DEVICES=" and words[1] == sys.executable
-    assert words[2:5] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert words[:2] == ["CUDA_VISIBLE_DEVICES=", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120"] and words[2] == sys.executable
+    assert words[3:6] == ["-m", "accelerate.commands.launch", "--config_file"]
     assert words[-3:] == ["-m", "praisonai_accel.train", str(config)]
     assert not (tmp_path / "out").exists()
 

@@ -81,3 +81,88 @@ def test_sigterm_between_micro_batches_saves_at_once_and_resumes_exactly(tmp_pat
     resumed = cli("train", str(config), *TWO)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "reference" / "out", out)
+
+
+def test_reentrant_checkpointing_under_ddp_trains(tmp_path, tiny_model, alpaca_file):
+    """unsloth's checkpointing is reentrant; under DDP with unused-parameter detection that is 'Expected to mark a
+    variable ready only once'. The same rule on CPU with torch's reentrant checkpointing: it now trains, because
+    every trainable parameter is checked to get a gradient and detection is left off."""
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=3, use_gradient_checkpointing="reentrant",
+                          gradient_accumulation_steps=2)
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_summary(tmp_path / "out")["weights_in_sync"]
+    forced = write_config(tmp_path, tiny_model, alpaca_file, max_steps=3, use_gradient_checkpointing="reentrant",
+                          ddp_find_unused_parameters=True)
+    refused = cli("train", str(forced), *TWO)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+        "error: ddp_find_unused_parameters: true cannot work with reentrant gradient checkpointing (unsloth's, or "
+        "use_gradient_checkpointing: reentrant) under DDP: a parameter is marked ready twice; leave it unset"]
+
+
+def test_reentrant_checkpointing_refuses_parameters_that_get_no_gradient(tiny_model):
+    """Without unused-parameter detection DDP would wait forever for their gradients: found on one batch first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.model import parameters_without_gradient
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    model.requires_grad_(False)
+    layers = model.model.layers
+    layers[0].mlp.up_proj.weight.requires_grad_(True)
+    model.lm_head.weight.requires_grad_(True)
+    layers[1].self_attn.q_proj.weight.requires_grad_(True)
+    module = CausalLMLoss(model)
+    ids = torch.randint(0, 300, (1, 12))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    state = torch.get_rng_state()
+    assert parameters_without_gradient(module, batch) == []
+    assert torch.equal(state, torch.get_rng_state())
+    model.unused = torch.nn.Linear(2, 2)  # trainable, never run: a vision tower on text-only data, say
+    assert parameters_without_gradient(module, batch) == ["causal_lm.unused.weight", "causal_lm.unused.bias"]
+
+
+def test_preflight_names_the_rank_that_does_not_answer(tmp_path, tiny_model, alpaca_file):
+    """Rank 1 reaches the preflight all-reduce 30 s late (as a node on the wrong interface never does): one line names
+    it and the interface variable to check, within preflight_timeout, before any model loads."""
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, preflight_timeout=3)
+    started = time.monotonic()
+    result = torchrun(config, fault_env(PREFLIGHT="late:1:30"), timeout=120)
+    assert result.returncode != 0 and time.monotonic() - started < 30, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "preflight: an all-reduce across 2 ranks (gloo) did not complete in 3 s: rank 1 on " \
+        in errors[0] and "did not reach it" in errors[0] and "GLOO_SOCKET_IFNAME" in errors[0], result.stderr[-3000:]
+    assert "model:" not in result.stderr  # refused before the model loaded
+
+
+def test_preflight_refuses_different_package_versions_on_the_ranks(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2)
+    result = torchrun(config, fault_env(PREFLIGHT="version:1:transformers=4.0.0"), timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: preflight: package versions differ between ranks: transformers ")
+    assert " vs 4.0.0 (" in errors[0] and "rank 1)" in errors[0] and "model:" not in result.stderr
+
+
+def test_preflight_warns_of_a_small_dev_shm_and_of_too_little_ram_and_disk(tmp_path, tiny_model, monkeypatch):
+    import os
+
+    from praisonai_accel.config import parse_config
+    from praisonai_accel.preflight import local_weight_bytes, resource_warnings
+
+    class SmallShm:
+        f_frsize, f_blocks = 4096, 16384  # 64 MiB, Docker's default
+
+    monkeypatch.setattr(os, "statvfs", lambda path: SmallShm())
+    config = parse_config({"model_name": str(tiny_model), "dataset": "d", "finetune_type": "full", "save_total_limit": 3,
+                           "output_dir": str(tmp_path / "out")})
+    weights = local_weight_bytes(str(tiny_model))
+    assert weights > 0
+    warnings = resource_warnings(config, 8, cuda=True, available_ram=4 * weights, free_disk=weights)
+    assert len(warnings) == 3
+    assert warnings[0].startswith("/dev/shm is 64 MiB: NCCL's shared memory between the 8 processes")
+    assert warnings[1].startswith("host RAM: 8 process(es) here each load a full copy of the model")
+    assert warnings[2].startswith("disk: 3 checkpoint(s) of full fine-tuning and the final model need about")
+    assert resource_warnings(config, 8, cuda=False, fsdp=True, available_ram=4 * weights, free_disk=100 * weights) == []

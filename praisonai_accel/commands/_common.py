@@ -63,6 +63,13 @@ def check_device_map(config, num_processes: int) -> None:
              f"{num_processes} DDP processes; remove device_map to load the full model on each rank's GPU")
 
 
+def check_checkpointing(config, num_processes: int) -> None:
+    from ..config import REENTRANT_WITH_UNUSED
+
+    if num_processes > 1 and config.use_gradient_checkpointing == "reentrant" and config.ddp_find_unused_parameters:
+        fail(REENTRANT_WITH_UNUSED)
+
+
 def check_resume(config, num_processes: int) -> str:
     """Refuse a resume that the training module would refuse, before any process starts; describe the start."""
     from .. import checkpoint as ckpt

@@ -10,7 +10,7 @@ import yaml
 
 from ..errors import first_line
 from ._common import (
-    bf16_supported, check_device_map, check_final_model_dir, check_hub_access, check_local_inputs, check_resume,
+    bf16_supported, check_checkpointing, check_device_map, check_final_model_dir, check_hub_access, check_local_inputs, check_resume,
     check_not_deepspeed, check_trackers, count_cuda_gpus, fail, load_config_or_fail,
 )
 
@@ -112,6 +112,7 @@ def train_command(
         plan.env[MEMORY_NOTE_ENV] = memory_note(cfg, per_node, fsdp)
 
     check_device_map(cfg, plan.num_processes)
+    check_checkpointing(cfg, plan.num_processes)
     check_final_model_dir(cfg)
     start = check_resume(cfg, plan.num_processes)
     if not dry_run:

@@ -8,6 +8,8 @@ PRAISONAI_ACCEL_TEST_PREPROCESS=sleep:S     tokenizing takes S seconds longer, o
 PRAISONAI_ACCEL_TEST_PREPROCESS=fail        tokenizing raises, on rank 0 (or in the launcher)
 PRAISONAI_ACCEL_TEST_HANG=R:N               rank R sleeps for an hour inside the forward of step N
 PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH=S     every micro-batch forward takes S seconds longer, on every rank
+PRAISONAI_ACCEL_TEST_PREFLIGHT=late:R:S     rank R reaches the preflight all-reduce S seconds late
+PRAISONAI_ACCEL_TEST_PREFLIGHT=version:R:P=V  rank R reports version V of package P
 """
 
 import importlib.abc
@@ -19,6 +21,7 @@ _SPEC = os.environ.get("PRAISONAI_ACCEL_TEST_CRASH_IN_SAVE", "")
 _PREPROCESS = os.environ.get("PRAISONAI_ACCEL_TEST_PREPROCESS", "")
 _HANG = os.environ.get("PRAISONAI_ACCEL_TEST_HANG", "")
 _SLOW_MICRO_BATCH = float(os.environ.get("PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH", "0"))
+_PREFLIGHT = os.environ.get("PRAISONAI_ACCEL_TEST_PREFLIGHT", "")
 
 
 def _rank0() -> bool:
@@ -82,9 +85,30 @@ def _patch_loss(module) -> None:
     module.CausalLMLoss.forward = forward
 
 
+def _patch_preflight(module) -> None:
+    import time
+
+    kind, rank, value = _PREFLIGHT.split(":", 2)
+    if int(os.environ.get("RANK", "0")) != int(rank):
+        return
+    if kind == "late":
+        original_all_reduce = module._all_reduce_within
+
+        def all_reduce_within(*args):
+            time.sleep(float(value))
+            return original_all_reduce(*args)
+
+        module._all_reduce_within = all_reduce_within
+    elif kind == "version":
+        name, _, version = value.partition("=")
+        original_versions = module.package_versions
+        module.package_versions = lambda: {**original_versions(), name: version}
+
+
 _PATCHES = {name: patch for name, patch, wanted in (
     ("accelerate.accelerator", _patch_accelerator, _SPEC), ("praisonai_accel.checkpoint", _patch_checkpoint, _SPEC),
     ("praisonai_accel.data", _patch_data, _PREPROCESS), ("praisonai_accel.loss", _patch_loss, _HANG or _SLOW_MICRO_BATCH),
+    ("praisonai_accel.preflight", _patch_preflight, _PREFLIGHT),
 ) if wanted}
 
 

@@ -8,6 +8,7 @@ from .commands.chat import chat_command, generate_command
 from .commands.config import config_command
 from .commands.demo import demo_command
 from .commands.env import env_command
+from .commands.k8s import k8s_command
 from .commands.merge import merge_command
 from .commands.preprocess import preprocess_command
 from .commands.preview import preview_command
@@ -28,6 +29,7 @@ app.command("preview")(preview_command)
 app.command("preprocess")(preprocess_command)
 app.command("report")(report_command)
 app.command("slurm")(slurm_command)
+app.command("k8s")(k8s_command)
 app.command("config")(config_command)
 app.command("env")(env_command)
 app.command("demo")(demo_command)

@@ -502,23 +502,23 @@ def wait_for_cache(config: TrainConfig, tokenizer, failed: Path, poll_seconds: f
 PREPROCESSING_ENV = "PRAISONAI_ACCEL_PREPROCESSING"  # the status file of a launcher that tokenizes for its workers
 
 
-def write_preprocessing_status(path: Path, status: str, error: str = "") -> None:
+def write_preprocessing_status(path: Path, status: str, error: str = "", cached: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"status": status, "error": error}))
+    tmp.write_text(json.dumps({"status": status, "error": error, "cached": cached}))
     os.replace(tmp, path)
 
 
-def wait_for_launcher(status_file: Path, poll_seconds: float = 0.2) -> None:
+def wait_for_launcher(status_file: Path, poll_seconds: float = 0.2) -> bool:
     """Wait, through the file system and with no time limit, for `praisonai-accel train`, which tokenizes while
-    its workers start; its error, if it failed, becomes this rank's."""
+    its workers start; its error, if it failed, becomes this rank's. Returns whether it found the cache filled."""
     while True:
         try:
             status = json.loads(status_file.read_text())
         except (OSError, ValueError):
             status = {"status": "running"}
         if status["status"] == "done":
-            return
+            return bool(status.get("cached"))
         if status["status"] == "failed":
             raise DataError(status["error"])
         time.sleep(poll_seconds)

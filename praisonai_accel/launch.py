@@ -98,6 +98,14 @@ class Nodes:
         return self.main_addr, self.main_port or DEFAULT_MAIN_PORT
 
 
+def shutdown_grace(config: TrainConfig) -> dict[str, str]:
+    """torchrun SIGKILLs its workers this long after relaying SIGTERM (30 s of its own): long enough for the
+    preemption save. A value in the environment is the user's and wins."""
+    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ:
+        return {}
+    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(config.preemption_grace_seconds)}
+
+
 def plan_launch(
     config_path: Path,
     config: TrainConfig,
@@ -116,9 +124,6 @@ def plan_launch(
     """`num_processes` is per node; the accelerate config written holds the total over all nodes."""
     nodes = nodes or Nodes()
     env: dict[str, str] = {}
-    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
-        # torchrun SIGKILLs its workers this long after relaying SIGTERM: long enough for the preemption save
-        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(config.preemption_grace_seconds)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif gpu_ids is not None:
@@ -127,6 +132,7 @@ def plan_launch(
     restarts = ["--max_restarts", str(max_restarts)] if max_restarts else []
 
     if accelerate_config_file is not None:
+        env.update(shutdown_grace(config))
         accel = read_accelerate_config(accelerate_config_file)
         command = [python, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config_file)] + restarts
         if not accel.get("main_process_port") and int(accel.get("num_machines", 1)) == 1:
@@ -135,6 +141,7 @@ def plan_launch(
 
     if num_processes == 1 and nodes.count == 1 and not max_restarts and not fsdp:
         return LaunchPlan([python] + train_args, 1, env)
+    env.update(shutdown_grace(config))
 
     ip, main_port = nodes.address()
     if max_restarts:

@@ -381,9 +381,10 @@ class Recipe:
         # `praisonai-accel train` tokenizes in the launcher while the workers start, and every rank waits for it.
         builds = accelerator.is_main_process if self.cache_shared else accelerator.is_local_main_process
         failed = self.output_dir / "logs" / f".preprocessing-failed-{attempt_id()}"
+        launcher_found_it_cached = None
         if os.environ.get(PREPROCESSING_ENV):
             builds = False
-            wait_for_launcher(Path(os.environ[PREPROCESSING_ENV]))
+            launcher_found_it_cached = wait_for_launcher(Path(os.environ[PREPROCESSING_ENV]))
         elif not builds:
             wait_for_cache(config, self.tokenizer, failed)
         try:
@@ -393,6 +394,8 @@ class Recipe:
                 failed.parent.mkdir(parents=True, exist_ok=True)
                 failed.write_text(f"rank {accelerator.process_index}: {first_line(exc, type(exc).__name__)}")
             raise
+        if launcher_found_it_cached is not None:  # this run tokenized, in the launcher, unless it was cached already
+            from_cache = launcher_found_it_cached
         self.preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
         report_stats(stats, from_cache)
         if config.val_split_ratio > 0:

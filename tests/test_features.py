@@ -97,8 +97,9 @@ def test_preprocessing_cache_is_built_once_and_read_by_other_ranks_and_later_run
     out, result, _ = feature_run
     entries = [p for p in (out / ".cache" / "preprocessed").iterdir()]
     assert len(entries) == 1 and not [p for p in entries if ".tmp" in p.name]
-    assert "data: " in result.stderr and "(cached)" not in result.stderr  # rank 0 tokenized...
-    assert "(cached)" in (out / "logs" / "rank-1.log").read_text()  # ...and rank 1 read its cache
+    assert "data: " in result.stderr and "(cached)" not in result.stderr  # the launcher tokenized, once...
+    assert "(cached)" not in (out / "logs" / "rank-1.log").read_text()  # ...for this run, and every rank read it
+    assert not list((out / "logs").glob(".preprocessing-*"))  # its status file is gone with it
 
 
 def test_resume_from_an_explicit_checkpoint_with_more_processes_and_refusals(tmp_path, tiny_model, alpaca_file):

@@ -159,3 +159,34 @@ def test_output_dir_not_shared_between_nodes_is_one_line(tmp_path, tiny_model, a
     assert all(code != 0 for code, _ in results)
     message = "output_dir must be on storage all nodes share"
     assert message in results[0][1] and results[0][1].count("error:") == 1, results[0][1][-2000:]
+
+
+def trainjob_pods(config: Path) -> list[subprocess.Popen]:
+    """Two "pods" of a TrainJob on localhost: the manifest's own pod command, with the PET_* variables the
+    torch-distributed runtime gives each pod (and nothing on the command line about the rendezvous)."""
+    from praisonai_accel.kubernetes import KubernetesJob, pod_command
+
+    command = pod_command(KubernetesJob(config_path=str(config), image="x", nodes=2, gpus_per_node=1, cpu=True,
+                                        pvc="shared"))
+    assert command[:3] == ["praisonai-accel", "train", str(config)] and "--nnodes" not in command
+    port = str(free_port())
+    return [subprocess.Popen([sys.executable, "-m", "praisonai_accel", *command[1:]], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=cpu_env(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank),
+                                         PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port))
+            for rank in (0, 1)]
+
+
+def test_two_trainjob_pods_train_like_one_node_and_resume_after_a_pod_is_killed(tmp_path, tiny_model, alpaca_file,
+                                                                                 one_node_two_processes):
+    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    pods = trainjob_pods(config)
+    wait_for_step(tmp_path / "out", 4, pods[0])
+    pods[1].send_signal(signal.SIGKILL)  # the pod is gone: its launcher, and its worker with it
+    results = finish(pods, timeout=90)
+    assert all(code != 0 for code, _ in results) and not workers_left(config)
+    resumed = finish(trainjob_pods(config))
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:] + resumed[1][1][-2000:]
+    assert "resumed from" in resumed[0][1] + resumed[1][1]
+    assert read_summary(tmp_path / "out")["num_processes"] == 2
+    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6

@@ -29,9 +29,29 @@ def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[in
     return parse_gpus(gpus, available_gpus())
 
 
+def rendezvous_from_environment(environ=None) -> Optional[tuple[int, int, str, int]]:
+    """(nodes, node rank, main address, main port) from the variables a Kubeflow TrainJob gives its pods
+    (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT), or None when they are absent."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    names = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+    if not all(environ.get(name) for name in names):
+        return None
+    values = [environ[name] for name in names]
+    if not values[0].isdigit() or not values[1].isdigit() or not values[3].isdigit():
+        fail(f"PET_NNODES={values[0]}, PET_NODE_RANK={values[1]}, PET_MASTER_PORT={values[3]}: expected whole numbers "
+             "(a fixed node count: an elastic range such as 1:4 is not supported)")
+    return int(values[0]), int(values[1]), values[2], int(values[3])
+
+
 def resolve_nodes(nnodes: int, node_rank: Optional[int], main_addr: Optional[str], main_port: Optional[int],
                   rdzv_endpoint: Optional[str]):
     from ..launch import Nodes
+
+    from_pods = rendezvous_from_environment()
+    if from_pods and from_pods[0] > 1 and nnodes == 1 and node_rank is None and not main_addr and not rdzv_endpoint:
+        nnodes, node_rank, main_addr, main_port = from_pods
 
     if nnodes == 1:
         if node_rank or main_addr or rdzv_endpoint:
@@ -72,7 +92,7 @@ def train_command(
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs on this node: a count, 'all', or ids such as 0,1"),
     cpu: bool = typer.Option(False, "--cpu", help="train on CPU processes (gloo), e.g. to try a config"),
     num_processes: Optional[int] = typer.Option(None, "--num-processes", min=1, help="processes on this node with --cpu"),
-    nnodes: int = typer.Option(1, "--nnodes", min=1, help="machines in the job; run this command on each"),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="machines in the job; run this command on each (in a Kubeflow TrainJob pod, read from PET_*)"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this machine's rank (static rendezvous)"),
     main_addr: Optional[str] = typer.Option(None, "--main-addr", help="address of node 0 (static rendezvous)"),
     main_port: Optional[int] = typer.Option(None, "--main-port", help="port on node 0 (default 29500)"),
@@ -167,13 +187,13 @@ def preprocess_beside_workers(cfg, plan) -> Path:
             return
         try:
             ensure_chat_template(tokenizer, cfg.chat_template)
-            load_datasets(cfg, tokenizer)
+            cached = load_datasets(cfg, tokenizer)[2]
         except DataError as exc:
             write_preprocessing_status(status, "failed", str(exc))
         except Exception as exc:
             write_preprocessing_status(status, "failed", f"preprocessing: {type(exc).__name__}: {first_line(exc)}")
         else:
-            write_preprocessing_status(status, "done")
+            write_preprocessing_status(status, "done", cached=cached)
 
     threading.Thread(target=work, name="preprocessing", daemon=True).start()
     return status

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from contextlib import nullcontext
@@ -306,7 +307,8 @@ class Recipe:
         self.state = self._fresh_state()
         if self.resume_from is not None:
             self._load_checkpoint(self.resume_from)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if threading.current_thread() is threading.main_thread():  # Ray Train runs the loop in another thread
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         if config.trackers and accelerator.is_main_process:
             if "mlflow" in config.trackers and not os.environ.get("MLFLOW_TRACKING_URI"):
                 # no server given: a file store in output_dir (mlflow keeps it only behind this opt-in)

@@ -26,7 +26,7 @@ class Watchdog:
         self.timeout, self.rank, self.log_path = timeout, rank, log_path
         self.last_progress = time.monotonic()
         self._stopped = threading.Event()
-        self._main = threading.main_thread()
+        self._main = threading.current_thread()  # the training loop's thread (not the main one under Ray Train)
         self._thread = threading.Thread(target=self._watch, name="praisonai-accel-watchdog", daemon=True)
 
     def __enter__(self) -> "Watchdog":

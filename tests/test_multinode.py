@@ -190,3 +190,52 @@ def test_two_trainjob_pods_train_like_one_node_and_resume_after_a_pod_is_killed(
     assert "resumed from" in resumed[0][1] + resumed[1][1]
     assert read_summary(tmp_path / "out")["num_processes"] == 2
     assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
+
+
+def _ray_processes() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if cmdline.startswith("ray::") or "/ray/" in cmdline.split("\0")[0] or "raylet" in cmdline or "gcs_server" in cmdline:
+                pids.add(int(entry))
+    return pids
+
+
+def test_ray_train_workers_killed_mid_run_restart_and_end_with_the_ddp_adapter(tmp_path, tiny_model, alpaca_file,
+                                                                               one_node_two_processes):
+    """`--ray --num-workers 2`: the training module in Ray Train's TorchTrainer workers (gloo). One worker is
+    SIGKILLed mid-run; with --max-restarts 1 Ray restarts the group, which resumes from this project's latest
+    checkpoint, and the final adapter is bitwise the one of 1 node x 2 processes under DDP. No process is left."""
+    before = _ray_processes()
+    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
+    proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), "--ray", "--num-workers", "2",
+                             "--cpu", "--max-restarts", "1"], env=cpu_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    wait_for_step(tmp_path / "out", 4, proc, timeout=180)
+    workers = [pid for pid in _ray_processes() - before
+               if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RayTrainWorker")]
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGKILL)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    assert read_summary(tmp_path / "out")["num_processes"] == 2
+    assert max_diff(tmp_path / "out", one_node_two_processes) == 0.0
+    deadline = time.time() + 20
+    while (left := _ray_processes() - before) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left, "Ray processes left behind"
+
+
+def test_ray_without_ray_installed_is_one_line(tmp_path, tiny_model, alpaca_file):
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2)
+    blocker = tmp_path / "noray"
+    (blocker / "ray").mkdir(parents=True)
+    (blocker / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    result = cli("train", str(config), "--ray", "--cpu", env=cpu_env(PYTHONPATH=str(blocker)))
+    assert result.returncode != 0 and result.stderr.strip().splitlines() == [
+        "error: --ray needs Ray Train: pip install 'praisonai-accel[ray]'"]

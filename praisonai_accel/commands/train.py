@@ -102,6 +102,9 @@ def train_command(
     accelerate_config: Optional[Path] = typer.Option(None, "--accelerate-config", help="use this accelerate config file as is (DeepSpeed, custom FSDP)"),
     verbose: bool = typer.Option(False, "--verbose", help="show the libraries' own output (progress bars, per-rank warnings)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and launch command, run nothing"),
+    ray: bool = typer.Option(False, "--ray", help="run the workers as a Ray Train TorchTrainer (pip install 'praisonai-accel[ray]')"),
+    num_workers: int = typer.Option(2, "--num-workers", min=1, help="Ray Train workers (processes), with --ray"),
+    address: Optional[str] = typer.Option(None, "--address", help="a running Ray cluster's address, with --ray (default: a local one)"),
 ) -> None:
     """Fine-tune a model as described by CONFIG."""
     from ..distributed import VERBOSE_ENV, resolve_mixed_precision
@@ -116,6 +119,8 @@ def train_command(
         check_not_deepspeed(accelerate_config)
     if accelerate_config is not None and (nnodes > 1 or fsdp):
         fail("--accelerate-config is used as is: put the machines and FSDP settings in it instead of --nnodes/--fsdp")
+    if ray:
+        train_on_ray(config, cfg, num_workers, address, cpu, max_restarts, gpus, nnodes, fsdp, accelerate_config, dry_run)
     nodes = resolve_nodes(nnodes, node_rank, main_addr, main_port, rdzv_endpoint)
     try:
         per_node, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
@@ -159,6 +164,35 @@ def train_command(
     finally:
         status.unlink(missing_ok=True)
     raise typer.Exit(code)
+
+
+def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cpu: bool, max_restarts: int,
+                 gpus: Optional[str], nnodes: int, fsdp: bool, accelerate_config: Optional[Path], dry_run: bool) -> None:
+    """--ray: the same checks, the data tokenized here, then Ray Train's workers run the training module."""
+    from ..config import ConfigError
+    from ..ray_engine import import_ray, run_with_ray
+
+    if gpus is not None or nnodes > 1 or fsdp or accelerate_config is not None:
+        fail("--ray places the workers itself: use --num-workers (and --address for a cluster) instead of --gpus, "
+             "--nnodes, --fsdp or --accelerate-config")
+    try:
+        import_ray()
+    except ConfigError as exc:
+        fail(str(exc))
+    check_device_map(cfg, num_workers)
+    check_checkpointing(cfg, num_workers)
+    check_final_model_dir(cfg)
+    start = check_resume(cfg, num_workers)
+    if dry_run:
+        typer.echo(f"# Ray Train: {num_workers} worker(s) on {address or 'a local Ray instance'}; start: {start}")
+        raise typer.Exit(0)
+    check_hub_access(cfg)
+    from ._common import tokenized_or_fail
+
+    tokenized_or_fail(cfg)  # once, here: the workers only read the cache
+    typer.echo(f"launching {num_workers} Ray Train worker(s), effective batch {cfg.per_device_train_batch_size} x "
+               f"{cfg.gradient_accumulation_steps} x {num_workers}", err=True)
+    raise typer.Exit(run_with_ray(config, cfg, num_workers, address, cpu, max_restarts))
 
 
 def preprocess_beside_workers(cfg, plan) -> Path:

@@ -143,3 +143,18 @@ def test_the_cli_refuses_with_one_line(tmp_path, tiny_model, alpaca_file):
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         "error: --nodes 2: output_dir must be on a volume every pod mounts; give --pvc NAME"]
+
+
+def test_train_reads_the_rendezvous_a_trainjob_gives_its_pods(tmp_path, tiny_model, alpaca_file):
+    from conftest import write_config
+
+    config = write_config(tmp_path, tiny_model, alpaca_file)
+    pod = dict(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK="1", PET_MASTER_ADDR="10.0.0.7", PET_MASTER_PORT="29511")
+    dry = cli("train", str(config), "--cpu", "--num-processes", "1", "--dry-run", env=cpu_env(**pod))
+    assert dry.returncode == 0, dry.stderr
+    assert "# processes: 2 (1 per node x 2 nodes)" in dry.stdout
+    assert "machine_rank: 1" in dry.stdout and "main_process_ip: 10.0.0.7" in dry.stdout and "main_process_port: 29511" in dry.stdout
+    elastic = cli("train", str(config), "--cpu", "--dry-run", env=cpu_env(**{**pod, "PET_NNODES": "1:4"}))
+    assert elastic.returncode != 0 and elastic.stderr.strip().splitlines() == [
+        "error: PET_NNODES=1:4, PET_NODE_RANK=1, PET_MASTER_PORT=29511: expected whole numbers (a fixed node count: an "
+        "elastic range such as 1:4 is not supported)"]

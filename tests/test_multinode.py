@@ -29,13 +29,6 @@ def node(config: Path, *flags: str, **env) -> subprocess.Popen:
                             text=True)
 
 
-def two_nodes(config: Path, **env) -> list[subprocess.Popen]:
-    """Static rendezvous: --node-rank and --main-addr (the SLURM test covers c10d, --rdzv-endpoint)."""
-    port = free_port()
-    return [node(config, "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", str(port), **env)
-            for rank in (0, 1)]
-
-
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
     return [(p.wait(timeout=timeout), p.communicate()[1]) for p in procs]
 
@@ -55,9 +48,10 @@ def one_node_two_processes(tmp_path_factory, tiny_model, alpaca_file) -> Path:
 
 
 def test_a_dead_node_ends_the_job_and_both_nodes_resume_exactly(tmp_path, tiny_model, alpaca_file, one_node_two_processes):
-    """Static rendezvous (--node-rank, --main-addr): SIGKILL node 1's worker, then run both nodes again."""
+    """Two Kubeflow TrainJob "pods" (static rendezvous from the PET_* variables, see trainjob_pods): SIGKILL node 1's
+    worker, then run both pods again. (--node-rank/--main-addr give the same plan: test_multi_node_dry_run_and_bad_flags.)"""
     config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
-    procs = two_nodes(config)
+    procs = trainjob_pods(config)
     wait_for_step(tmp_path / "out", 4, procs[0])
     victims = [pid for pid in _workers_of(config) if "praisonai_accel.train" in Path(f"/proc/{pid}/cmdline").read_text()
                and "\0RANK=1\0" in _environ(pid)]
@@ -69,7 +63,7 @@ def test_a_dead_node_ends_the_job_and_both_nodes_resume_exactly(tmp_path, tiny_m
     assert not workers_left(config), "processes left on a node"
     assert "Traceback" not in results[0][1] + results[1][1]
     assert "error: rank 1 was killed (SIGKILL), most likely by the out-of-memory killer" in results[1][1]
-    resumed = finish(two_nodes(config))
+    resumed = finish(trainjob_pods(config))
     assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:]
     assert "resumed from" in resumed[0][1] + resumed[1][1]
     assert read_summary(tmp_path / "out")["num_processes"] == 2
@@ -175,21 +169,6 @@ def trainjob_pods(config: Path) -> list[subprocess.Popen]:
                              env=cpu_env(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank),
                                          PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port))
             for rank in (0, 1)]
-
-
-def test_two_trainjob_pods_train_like_one_node_and_resume_after_a_pod_is_killed(tmp_path, tiny_model, alpaca_file,
-                                                                                 one_node_two_processes):
-    config = write_config(tmp_path, tiny_model, alpaca_file, **RUN)
-    pods = trainjob_pods(config)
-    wait_for_step(tmp_path / "out", 4, pods[0])
-    pods[1].send_signal(signal.SIGKILL)  # the pod is gone: its launcher, and its worker with it
-    results = finish(pods, timeout=90)
-    assert all(code != 0 for code, _ in results) and not workers_left(config)
-    resumed = finish(trainjob_pods(config))
-    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:] + resumed[1][1][-2000:]
-    assert "resumed from" in resumed[0][1] + resumed[1][1]
-    assert read_summary(tmp_path / "out")["num_processes"] == 2
-    assert max_diff(tmp_path / "out", one_node_two_processes) <= 1e-6
 
 
 def _ray_processes() -> set[int]:

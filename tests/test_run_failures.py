@@ -25,11 +25,11 @@ def torchrun(config, env, timeout=180):
 
 
 def test_preprocessing_longer_than_the_collective_timeout_still_trains(tmp_path, tiny_model, alpaca_file):
-    """Under torchrun directly, rank 0 tokenizes for 15 s while rank 1 waits through the file system: with
-    main_process_first rank 1 waited in a barrier and gloo gave up after ddp_timeout (6 s)."""
-    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, ddp_timeout=6,
+    """Under torchrun directly, rank 0 tokenizes for 10 s while rank 1 waits through the file system: with
+    main_process_first rank 1 waited in a barrier and gloo gave up after ddp_timeout (4 s)."""
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, ddp_timeout=4,
                           dataset_prepared_path=str(tmp_path / "prepared"))
-    result = torchrun(config, fault_env(PREPROCESS="sleep:15"))
+    result = torchrun(config, fault_env(PREPROCESS="sleep:10"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_summary(tmp_path / "out")["global_step"] == 2
 
@@ -45,7 +45,7 @@ def test_a_rank_0_crash_while_preprocessing_ends_every_rank_quickly(tmp_path, ti
 def test_a_rank_stuck_inside_a_step_is_named_and_the_job_ends(tmp_path, tiny_model, alpaca_file):
     """Rank 1 sleeps inside its third forward. After hang_timeout its watchdog writes every thread's stack to its log,
     says where it is stuck in one line, and exits; rank 0, waiting in a collective, ends with it. Nothing is left."""
-    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=40, logging_steps=1, hang_timeout=8)
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=40, logging_steps=1, hang_timeout=5)
     started = time.monotonic()
     result = cli("train", str(config), *TWO, env=fault_env(HANG="1:3"), timeout=180)
     assert result.returncode != 0 and time.monotonic() - started < 90, result.stderr[-3000:]
@@ -61,7 +61,7 @@ def test_sigterm_between_micro_batches_saves_at_once_and_resumes_exactly(tmp_pat
     """Steps of 4 slow micro-batches: SIGTERM in the middle of step 2 abandons it at the next micro-batch and saves
     the last finished step (waiting for the end of the step would race torchrun's SIGKILL on a big model). Resuming
     gives the uninterrupted run's losses and adapter, dropout included."""
-    common = dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=4, lora_dropout=0.1,
+    common = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=4, lora_dropout=0.1,
                   logging_steps=1)
     for name in ("reference", "run"):
         (tmp_path / name).mkdir()

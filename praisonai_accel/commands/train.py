@@ -203,16 +203,20 @@ def preprocess_beside_workers(cfg, plan) -> Path:
     import threading
     import uuid
 
-    from ..data import PREPROCESSING_ENV, DataError, ensure_chat_template, load_datasets, write_preprocessing_status
+    from ..data import (
+        PREPROCESSING_ENV, DataError, ensure_chat_template, load_datasets, quiet_datasets, write_preprocessing_status,
+    )
     from ..model import load_tokenizer
-    from ._common import quiet_tokenizing
 
     status = cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     write_preprocessing_status(status, "running")
     plan.env[PREPROCESSING_ENV] = str(status.resolve())
-    quiet_tokenizing(progress=sys.stderr.isatty())
+    quiet_datasets(progress=sys.stderr.isatty())
 
     def work() -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
         try:
             tokenizer = load_tokenizer(cfg)
         except Exception as exc:

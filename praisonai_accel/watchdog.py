@@ -44,6 +44,8 @@ class Watchdog:
         poll = min(5.0, self.timeout / 4)
         while not self._stopped.wait(poll):
             idle = time.monotonic() - self.last_progress
+            if idle <= self.timeout:  # the stack is read only once this rank looks stuck
+                continue
             frame = sys._current_frames().get(self._main.ident)
             stack = traceback.extract_stack(frame) if frame is not None else []
             waiting = in_collective(stack)

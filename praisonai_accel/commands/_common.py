@@ -152,19 +152,24 @@ def tokenized_or_fail(config):
     import sys
 
     from ..data import DataError, ensure_chat_template, load_datasets
-    from ..errors import first_line
     from ..model import load_tokenizer
 
     quiet_tokenizing(progress=sys.stderr.isatty())
     try:
         tokenizer = load_tokenizer(config)
     except (OSError, ValueError) as exc:
-        fail(f"model_name: cannot load the tokenizer of '{config.tokenizer_name or config.model_name}': {first_line(exc)}")
+        fail(cannot_load_tokenizer(config, exc))
     ensure_chat_template(tokenizer, config.chat_template)
     try:
         return (tokenizer, *load_datasets(config, tokenizer))
     except DataError as exc:
         fail(str(exc))
+
+
+def cannot_load_tokenizer(config, exc: BaseException) -> str:
+    from ..errors import first_line
+
+    return f"model_name: cannot load the tokenizer of '{config.tokenizer_name or config.model_name}': {first_line(exc)}"
 
 
 def quiet_tokenizing(progress: bool = False) -> None:

@@ -75,8 +75,9 @@ def memory_note(config, processes_here: int, fsdp: bool = False) -> str:
     """What the processes of this machine hold in host memory, for a worker the out-of-memory killer ended."""
     import os
 
-    model = Path(config.model_name).expanduser()
-    weights = sum(p.stat().st_size for p in model.glob("*") if p.suffix in (".safetensors", ".bin")) if model.is_dir() else 0
+    from ..preflight import local_weight_bytes
+
+    weights = local_weight_bytes(config.model_name)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -207,6 +208,7 @@ def preprocess_beside_workers(cfg, plan) -> Path:
         PREPROCESSING_ENV, DataError, ensure_chat_template, load_datasets, quiet_datasets, write_preprocessing_status,
     )
     from ..model import load_tokenizer
+    from ._common import cannot_load_tokenizer
 
     status = cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     write_preprocessing_status(status, "running")
@@ -220,8 +222,7 @@ def preprocess_beside_workers(cfg, plan) -> Path:
         try:
             tokenizer = load_tokenizer(cfg)
         except Exception as exc:
-            write_preprocessing_status(status, "failed", f"model_name: cannot load the tokenizer of "
-                                                         f"'{cfg.tokenizer_name or cfg.model_name}': {first_line(exc)}")
+            write_preprocessing_status(status, "failed", cannot_load_tokenizer(cfg, exc))
             return
         try:
             ensure_chat_template(tokenizer, cfg.chat_template)

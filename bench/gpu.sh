@@ -7,7 +7,9 @@
 #   STEPS=20 BATCH=4 SEQ=2048 bash bench/gpu.sh
 #   WHEELS=.whl bash bench/gpu.sh         # first pip-install the wheels in .whl (datasets, trl, pydantic, ...)
 #
-# MFU = tokens/s x 6 x parameters / peak bf16 FLOP/s (PEAK_TFLOPS, default 989 for an H100/H200, dense).
+# MFU = model FLOPs per second (praisonai_accel/flops.py: real tokens and target tokens of each step, for
+# praisonai-accel and TRL alike) / the bf16 matmul peak measured here first (an 8192^3 product, best of 10);
+# mfu_datasheet divides by PEAK_TFLOPS instead (default 989: an H100/H200's dense bf16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-20} BATCH=${BATCH:-4} SEQ=${SEQ:-2048} PEAK_TFLOPS=${PEAK_TFLOPS:-989}
@@ -53,6 +55,18 @@ runs = {"lora": {}, "lora-packed": {"packing": True}, "qlora": {"finetune_type":
         "unsloth": {"use_unsloth": True, "use_gradient_checkpointing": "unsloth"}}
 for name, extra in runs.items():
     (work / f"{name}.yaml").write_text(yaml.safe_dump({**base, **extra, "output_dir": str(work / name)}))
+import time
+a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+a @ a
+best = float("inf")
+for _ in range(10):
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    a @ a
+    torch.cuda.synchronize()
+    best = min(best, time.perf_counter() - started)
+(work / "peak.json").write_text(json.dumps({"bf16_matmul_flops_per_second": 2 * 8192**3 / best}))
+print(f"measured bf16 matmul peak: {2 * 8192**3 / best / 1e12:.0f} TFLOP/s")
 PY
 
 summarise() {
@@ -60,14 +74,17 @@ summarise() {
 import json, os, statistics, sys
 from pathlib import Path
 name, out = sys.argv[1], Path(sys.argv[2])
-steps = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][3:]
+every = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+steps = every[3:]  # after warm-up
 summary = json.loads((out / "train_summary.json").read_text())
-params = json.loads((Path(os.environ["WORK"]) / "params.json").read_text())["parameters"]
+peak = json.loads((Path(os.environ["WORK"]) / "peak.json").read_text())["bf16_matmul_flops_per_second"]
 tps = statistics.median(s["tokens_per_second"] for s in steps)
+flops = sum(s["model_flops"] for s in steps) / sum(s["step_seconds"] for s in steps)
 print(json.dumps({"run": name, "backend": summary["backend"], "tokens_per_second": round(tps),
                   "step_seconds": statistics.median(s["step_seconds"] for s in steps),
+                  "rows_trained": sum(s["examples"] for s in every),
                   "peak_gpu_memory_mib": summary.get("peak_gpu_memory_mib"),
-                  "mfu": round(tps * 6 * params / (float(os.environ["PEAK_TFLOPS"]) * 1e12), 4)}))
+                  "mfu": round(flops / peak, 4), "mfu_datasheet": round(flops / (float(os.environ["PEAK_TFLOPS"]) * 1e12), 4)}))
 PY
 }
 
@@ -91,12 +108,17 @@ if python3 -c "import trl" >/dev/null 2>&1; then
     --max-length "$SEQ" --gpu && python3 - "$WORK/trl" <<'PY'
 import json, statistics, sys
 from pathlib import Path
+import os
 rows = [json.loads(l) for l in (Path(sys.argv[1]) / "bench_steps.rank0.jsonl").read_text().splitlines()]
 times = [r["time"] for r in rows if "step" in r]
-tokens = [r["tokens"] for r in rows if "tokens" in r]
+batches = [r for r in rows if "tokens" in r][:len(times)]
 step = statistics.median(b - a for a, b in zip(times[3:], times[4:]))
-print(json.dumps({"run": "trl", "tokens_per_second": round(statistics.median(tokens) / step), "step_seconds": step,
-                  "peak_gpu_memory_mib": rows[-1].get("peak_gpu_memory_mib")}))
+flops = sum(b["model_flops"] for b in batches[4:]) / (times[-1] - times[3])
+peak = json.loads((Path(os.environ["WORK"]) / "peak.json").read_text())["bf16_matmul_flops_per_second"]
+print(json.dumps({"run": "trl", "tokens_per_second": round(statistics.median(b["tokens"] for b in batches) / step),
+                  "step_seconds": step, "rows_trained": sum(b["examples"] for b in batches),
+                  "peak_gpu_memory_mib": rows[-1].get("peak_gpu_memory_mib"), "mfu": round(flops / peak, 4),
+                  "mfu_datasheet": round(flops / (float(os.environ["PEAK_TFLOPS"]) * 1e12), 4)}))
 PY
 else
   echo "trl does not import here; no TRL baseline"

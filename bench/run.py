@@ -1,9 +1,11 @@
 """praisonai-accel vs a plain TRL SFTTrainer run, side by side, on this machine's CPUs.
 
-    python bench/run.py [--steps 30] [--repeats 2] [--processes 1 2] [--out bench/results]
+    python bench/run.py [--case all|toy|realistic|full|sweep] [--repeats 2] [--out bench/results]
 
-Same model (a 4-layer Llama built locally), same data, same steps, batch, LoRA and process count;
-runs alternate A B A B and every number quoted is a median. Prints a table and writes JSON.
+Same model (a 4-layer Llama built locally), same rows, batch, LoRA and process count; runs alternate
+A B A B and every number quoted is a median. Each run reports the rows it trained and its MFU: model
+FLOPs per second (praisonai_accel/flops.py) over a matmul peak measured around it. Prints tables and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from praisonai_accel.launch import free_port  # noqa: E402
 
 TARGETS = {"step_time_ratio": 0.9, "padding_fraction": 0.05, "help_seconds": 0.5, "cached_preprocess_ratio": 0.10,
            # realistic case (128k vocabulary, 512-token rows, no packing): ahead of every peer, not only of TRL
-           "realistic_step_time_ratio": 0.5, "realistic_peak_rss_ratio": 0.5}
+           "realistic_step_time_ratio": 0.5, "realistic_peak_rss_ratio": 0.5,
+           # model FLOPs per second over the in-run matmul peak (flops.py; README "How fast")
+           "realistic_mfu": 0.65}
 REALISTIC_VOCAB = 128256  # Llama 3's vocabulary
 WARMUP_STEPS = 3  # the first steps include lazy initialisation; left out of step-time medians
 
@@ -72,7 +76,10 @@ class PeakRss:
         return max(self.peaks.values()) / 2**20 if self.peaks else None
 
 
-def run_command(command: list[str], marker: str, env: dict) -> tuple[float, float | None, str]:
+def run_command(command: list[str], marker: str, env: dict) -> tuple[float, float | None, float]:
+    """Runs a contender; returns when it started, its peak RSS, and the matmul peak measured just before and just after
+    it (the higher of the two: what the machine could do around this run)."""
+    before = PEAK.measure()
     started = time.time()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rss = PeakRss(proc.pid, marker)
@@ -80,11 +87,45 @@ def run_command(command: list[str], marker: str, env: dict) -> tuple[float, floa
     peak = rss.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{command[:4]}... failed ({proc.returncode}):\n{output[-3000:]}")
-    return started, peak, output
+    return started, peak, max(before, PEAK.measure())
 
 
 def cpu_env() -> dict:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class MatmulPeak:
+    """The machine's matmul rate, measured in this run (a 2048^3 product, best of 5, all of torch's threads, at the
+    dtype the runs compute in) just before and just after every contender. A shared machine varies by tens of percent
+    over minutes, so each run's MFU divides by the higher of its own two measurements."""
+
+    def __init__(self, dtype: str = "float32", size: int = 2048):
+        self.dtype, self.size, self.samples = dtype, size, []
+
+    def measure(self) -> float:
+        import torch
+
+        a = torch.randn(self.size, self.size, dtype=getattr(torch, self.dtype))
+        b = torch.randn(self.size, self.size, dtype=a.dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - started)
+        self.samples.append(2 * self.size**3 / best)
+        return self.samples[-1]
+
+    @property
+    def best(self) -> float:
+        return max(self.samples)
+
+    def summary(self) -> dict:
+        return {"dtype": self.dtype, "size": self.size, "best_flops_per_second": self.best,
+                "lowest_flops_per_second": min(self.samples), "measurements": len(self.samples)}
+
+
+PEAK = MatmulPeak()
 
 
 # ---------------------------------------------------------------- the two contenders
@@ -104,15 +145,22 @@ def ours(work: Path, model: Path, data: Path, processes: int, args, name: str, p
     command = [sys.executable, "-m", "praisonai_accel", "train", str(path)]
     if processes > 1:
         command += ["--cpu", "--num-processes", str(processes), *flags]
-    started, peak, _ = run_command(command, "praisonai_accel.train", cpu_env())
+    started, peak, matmul_peak = run_command(command, "praisonai_accel.train", cpu_env())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if r.get("time", started) >= started]  # a resumed run keeps earlier lines
     steps = [r for r in records if "loss" in r]
     saves = [r for r in records if "checkpoint" in r]
     summary = json.loads((out / "train_summary.json").read_text())
     first = min(r["time"] - r["step_seconds"] for r in steps)  # when the first step (of this launch) began
+    measured = steps[WARMUP_STEPS:]
     return {
-        "step_seconds": median([r["step_seconds"] for r in steps[WARMUP_STEPS:]]),
+        "step_seconds": median([r["step_seconds"] for r in measured]),
+        "flops_per_second": sum(r["model_flops"] for r in measured) / sum(r["step_seconds"] for r in measured),
+        "mfu": sum(r["model_flops"] for r in measured) / sum(r["step_seconds"] for r in measured) / matmul_peak,
+        "matmul_peak": matmul_peak,
+        "model_flops_per_step": statistics.mean(r["model_flops"] for r in measured),
+        "examples": sum(r["examples"] for r in steps),
+        "targets": sum(r["targets"] for r in steps),
         "tokens_per_second": median([r["tokens_per_second"] for r in steps[WARMUP_STEPS:]]),
         "padding_fraction": 1 - sum(r["tokens"] for r in steps) / sum(r["positions"] for r in steps),
         "to_first_step_seconds": first - started,
@@ -129,7 +177,7 @@ def trl(work: Path, model: Path, data: Path, processes: int, args, name: str, sa
         resume: bool = False, steps: int | None = None, batch: int | None = None, max_length: int = 256) -> dict:
     out = work / name
     script = [str(REPO / "bench" / "trl_baseline.py"), "--model", str(model), "--data", str(data), "--out", str(out),
-              "--steps", str(steps or args.steps), "--batch", str(batch or args.batch), "--save-steps", str(save_steps),
+              "--steps", str(args.steps if steps is None else steps), "--batch", str(batch or args.batch), "--save-steps", str(save_steps),
               "--max-length", str(max_length)]
     if resume:
         script.append("--resume")
@@ -137,16 +185,22 @@ def trl(work: Path, model: Path, data: Path, processes: int, args, name: str, sa
     write_yaml_atomic(build_accelerate_config(processes, "no"), accel)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel),
                "--main_process_port", str(free_port())] + script
-    started, peak, _ = run_command(command, "trl_baseline.py", cpu_env())
+    # accelerate launch sets OMP_NUM_THREADS=1 unless it is set: one process would compute on one core of the two,
+    # where praisonai-accel's single process (run without a launcher) uses every core
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+    started, peak, matmul_peak = run_command(command, "trl_baseline.py", {**cpu_env(), **threads})
     rank_logs = sorted(out.glob("bench_steps.rank*.jsonl"))
     rank0 = [r for r in map(json.loads, rank_logs[0].read_text().splitlines()) if r.get("time", started) >= started]
     times = [r["time"] for r in rank0 if "step" in r]
     step_seconds = [b - a for a, b in zip(times, times[1:])]
-    counts = [r for log in rank_logs for r in map(json.loads, log.read_text().splitlines())
-              if "tokens" in r and r["time"] >= started]
+    # each rank's batches in the order its steps took them (a prefetched batch past the last step is left out)
+    batches = [[r for r in map(json.loads, log.read_text().splitlines()) if "tokens" in r and r["time"] >= started]
+               [:len(times)] for log in rank_logs]
+    counts = [c for rank in batches for c in rank]
     tokens, positions = sum(c["tokens"] for c in counts), sum(c["positions"] for c in counts)
     per_step_tokens = tokens / max(len(counts) / processes, 1)
     step_times = step_seconds[WARMUP_STEPS - 1:]
+    step_flops = [sum(rank[i]["model_flops"] for rank in batches) for i in range(len(times))]
     saves = [r for r in rank0 if "saved" in r]
     save_seconds = None
     if saves:
@@ -156,6 +210,12 @@ def trl(work: Path, model: Path, data: Path, processes: int, args, name: str, sa
     first_step_start = times[0] - (median(step_times) or 0)
     return {
         "step_seconds": median(step_times),
+        "flops_per_second": sum(step_flops[WARMUP_STEPS:]) / (times[-1] - times[WARMUP_STEPS - 1]),
+        "mfu": sum(step_flops[WARMUP_STEPS:]) / (times[-1] - times[WARMUP_STEPS - 1]) / matmul_peak,
+        "matmul_peak": matmul_peak,
+        "model_flops_per_step": statistics.mean(step_flops[WARMUP_STEPS:]),
+        "examples": sum(c["examples"] for c in counts),
+        "targets": sum(c["targets"] for c in counts),
         "tokens_per_second": per_step_tokens / median(step_times) if step_times else None,
         "padding_fraction": 1 - tokens / max(positions, 1),
         "to_first_step_seconds": first_step_start - started,
@@ -188,7 +248,8 @@ def throughput(work, model, data, args) -> dict:
         for rep in range(args.repeats):  # A B A B: drift on a noisy machine hits both alike
             runs["praisonai-accel"].append(ours(work, model, data, processes, args, f"ours_p{processes}_{rep}"))
             runs["trl"].append(trl(work, model, data, processes, args, f"trl_p{processes}_{rep}"))
-        results[processes] = {name: {k: median([r[k] for r in rs]) for k in rs[0] if k != "output_dir" and not isinstance(rs[0][k], bool)}
+        results[processes] = {name: {k: median([r[k] for r in rs]) for k in rs[0]
+                                     if k != "output_dir" and not isinstance(rs[0][k], bool)}
                               for name, rs in runs.items()}
         a, b = results[processes]["praisonai-accel"], results[processes]["trl"]
         results[processes]["step_time_ratio"] = a["step_seconds"] / b["step_seconds"]
@@ -217,60 +278,114 @@ def checkpoint_and_resume(work, model, data, args) -> dict:
     }
 
 
-def make_realistic_model(directory: Path, hidden_size: int = 512, layers: int = 4) -> Path:
-    """The tiny Llama's layers at hidden 512, its embeddings and LM head resized to a 128k vocabulary."""
+def make_realistic_model(directory: Path, vocab: int = REALISTIC_VOCAB, hidden_size: int = 512, layers: int = 4) -> Path:
+    """The tiny Llama's layers at hidden 512, its embeddings and LM head resized to a real vocabulary (the tokenizer
+    keeps its 320 tokens: the extra rows cost what they cost in a real model), positions up to 4,096."""
     from transformers import AutoModelForCausalLM
 
     make_tiny_model(directory, hidden_size=hidden_size, layers=layers)
     model = AutoModelForCausalLM.from_pretrained(directory)
-    model.resize_token_embeddings(REALISTIC_VOCAB, mean_resizing=False)
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    model.config.max_position_embeddings = 4096
     model.save_pretrained(directory)
     return directory
 
 
-def realistic_records(count: int, seed: int = 2) -> list[dict]:
-    """Alpaca rows with long inputs: 256 to 2,400 tokens each with the demo tokenizer, most of it prompt."""
+def fitting_records(tokenizer_dir: Path, count: int, length: int, seed: int = 2) -> list[dict]:
+    """Alpaca rows that every tool trains whole at max length `length`: 45% to 95% of it each, the answer 50% to 80%
+    of the row (chat data: a question, then a longer answer), with room left for the chat template. No tool truncates
+    or drops one, so every comparison trains the same rows and the same target tokens."""
     import random
+
+    from transformers import AutoTokenizer
 
     from praisonai_accel.demo import _NAMES
 
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    size = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
     rng = random.Random(seed)
-    words = lambda n: " ".join(rng.choice(_NAMES) for _ in range(n))
-    return [{"instruction": "repeat the last words of the input", "input": words(rng.randint(60, 600)),
-             "output": words(rng.randint(10, 80))} for _ in range(count)]
+    instruction = "repeat the last words of the input"
+
+    def words_of(tokens: int) -> str:  # names tokenize to 2-3 tokens each: grow, then trim to the budget
+        text = " ".join(rng.choice(_NAMES) for _ in range(max(1, tokens // 3)))
+        while size(text) < tokens - 6:
+            text += " " + " ".join(rng.choice(_NAMES) for _ in range(max(1, (tokens - size(text)) // 3)))
+        while size(text) > tokens and " " in text:
+            text = text.rsplit(" ", 1)[0]
+        return text
+
+    rows = []
+    for _ in range(count):
+        budget = int(length * rng.uniform(0.45, 0.95)) - size(instruction) - 24  # 24: the template's own tokens
+        answer = int(budget * rng.uniform(0.5, 0.8))
+        rows.append({"instruction": instruction, "input": words_of(budget - answer), "output": words_of(answer)})
+    return rows
 
 
-def realistic(work: Path, args) -> dict:
-    """128k vocabulary, hidden 512, batch 2 x 512-token rows: ours (plain, packed, gradient checkpointing) vs TRL."""
-    model = make_realistic_model(work / "model-128k")
-    data = write_jsonl(realistic_records(args.realistic_records), work / "long.jsonl")
-    common = dict(max_seq_length=args.realistic_length, steps=args.realistic_steps, batch=2)
-    contenders = {
-        "praisonai-accel": lambda name: ours(work, model, data, 1, args, name, preprocess=True, max_steps=common["steps"],
-                                             per_device_train_batch_size=2, max_seq_length=common["max_seq_length"]),
-        "praisonai-accel packed": lambda name: ours(work, model, data, 1, args, name, preprocess=True,
-                                                    max_steps=common["steps"],
-                                                    per_device_train_batch_size=2, packing=True,
-                                                    max_seq_length=common["max_seq_length"]),
-        "praisonai-accel grad ckpt": lambda name: ours(work, model, data, 1, args, name, preprocess=True,
-                                                       max_steps=common["steps"],
-                                                       per_device_train_batch_size=2, use_gradient_checkpointing=True,
-                                                       max_seq_length=common["max_seq_length"]),
-        "trl": lambda name: trl(work, model, data, 1, args, name, steps=common["steps"], batch=2,
-                                max_length=common["max_seq_length"]),
-    }
+def realistic_contenders(work: Path, model: Path, data: Path, args, length: int, batch: int, variants=True) -> dict:
+    """ours (plain, and with packing and gradient checkpointing) and TRL, each one epoch over the same rows."""
+    common = dict(preprocess=True, max_steps=-1, num_train_epochs=1, per_device_train_batch_size=batch,
+                  max_seq_length=length)
+    contenders = {"praisonai-accel": lambda name: ours(work, model, data, 1, args, name, **common)}
+    if variants:
+        contenders["praisonai-accel packed"] = lambda name: ours(work, model, data, 1, args, name, packing=True, **common)
+        contenders["praisonai-accel grad ckpt"] = lambda name: ours(work, model, data, 1, args, name,
+                                                                    use_gradient_checkpointing=True, **common)
+    contenders["trl"] = lambda name: trl(work, model, data, 1, args, name, steps=0, batch=batch, max_length=length)
+    return contenders
+
+
+RESULT_KEYS = ("step_seconds", "tokens_per_second", "peak_rss_mib", "padding_fraction", "flops_per_second",
+               "model_flops_per_step", "mfu", "matmul_peak", "examples", "targets")
+
+
+def compare(contenders: dict, repeats: int, prefix: str) -> dict:
+    """Runs A B C A B C ..., medians per contender, each row's MFU and its ratios to TRL."""
     runs = {name: [] for name in contenders}
-    for rep in range(args.repeats):  # A B C D A B C D
+    for rep in range(repeats):  # drift on a noisy machine hits every contender alike
         for name, run in contenders.items():
-            runs[name].append(run(f"real_{name.replace(' ', '_')}_{rep}"))
-    keys = ("step_seconds", "tokens_per_second", "peak_rss_mib", "padding_fraction")
-    table = {name: {k: median([r[k] for r in rs]) for k in keys} for name, rs in runs.items()}
+            runs[name].append(run(f"{prefix}_{name.replace(' ', '_')}_{rep}"))
+    table = {name: {k: median([r[k] for r in rs]) for k in RESULT_KEYS} for name, rs in runs.items()}
     baseline = table["trl"]
     for row in table.values():
         row["step_time_ratio"] = row["step_seconds"] / baseline["step_seconds"]
         row["tokens_per_second_ratio"] = row["tokens_per_second"] / baseline["tokens_per_second"]
         row["peak_rss_ratio"] = row["peak_rss_mib"] / baseline["peak_rss_mib"]
-    return {"vocab_size": REALISTIC_VOCAB, "hidden_size": 512, "layers": 4, "batch": 2, **common, "table": table}
+    return table
+
+
+def realistic(work: Path, args) -> dict:
+    """128k vocabulary, hidden 512, batch 2 x rows up to 512 tokens: ours (plain, packed, gradient checkpointing) vs
+    TRL, one epoch each over the same rows."""
+    model = make_realistic_model(work / "model-128k")
+    rows = args.realistic_steps * 2
+    data = write_jsonl(fitting_records(model, rows, args.realistic_length), work / f"fit-{args.realistic_length}.jsonl")
+    table = compare(realistic_contenders(work, model, data, args, args.realistic_length, 2), args.repeats, "real")
+    return {"vocab_size": REALISTIC_VOCAB, "hidden_size": 512, "layers": 4, "batch": 2, "rows": rows,
+            "max_seq_length": args.realistic_length, "table": table}
+
+
+SWEEP_LENGTHS = (512, 1024, 2048)
+SWEEP_VOCABS = (32000, 128256, 262144)  # Llama 2 / Mistral, Llama 3, Gemma 3
+
+
+def sweep(work: Path, args) -> dict:
+    """Rows of 512, 1024 and 2048 tokens x vocabularies of 32k, 128k and 262k: ours vs TRL, batch 1, one epoch over the
+    same rows. Peak RSS less the LM head's weight (read whole every step; unused embedding rows are never paged in)
+    shows what the step itself holds, which should not grow with the vocabulary."""
+    points = []
+    for vocab in SWEEP_VOCABS:
+        model = make_realistic_model(work / f"model-{vocab}", vocab=vocab)
+        head_mib = vocab * 512 * 4 / 2**20
+        for length in SWEEP_LENGTHS:
+            data = write_jsonl(fitting_records(model, args.sweep_rows, length), work / f"sweep-{vocab}-{length}.jsonl")
+            table = compare(realistic_contenders(work, model, data, args, length, 1, variants=False), 1,
+                            f"sweep_{vocab}_{length}")
+            for row in table.values():
+                row["rss_less_head_mib"] = row["peak_rss_mib"] - head_mib
+            points.append({"vocab_size": vocab, "max_seq_length": length, "head_mib": head_mib, "table": table})
+        shutil.rmtree(model, ignore_errors=True)
+    return {"hidden_size": 512, "layers": 4, "batch": 1, "rows": args.sweep_rows, "points": points}
 
 
 def full_fine_tuning(work: Path, args) -> dict:
@@ -279,11 +394,11 @@ def full_fine_tuning(work: Path, args) -> dict:
     model = work / "model-128k"
     if not model.exists():
         make_realistic_model(model)
-    data = work / "long.jsonl"
+    data = work / f"fit-{args.realistic_length}.jsonl"
     if not data.exists():
-        write_jsonl(realistic_records(args.realistic_records), data)
+        write_jsonl(fitting_records(model, args.realistic_steps * 2, args.realistic_length), data)
     common = dict(preprocess=True, finetune_type="full", final_model_dir="model", learning_rate=1e-5,
-                  max_steps=args.realistic_steps, per_device_train_batch_size=2, max_seq_length=args.realistic_length)
+                  max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2, max_seq_length=args.realistic_length)
     contenders = {
         "chunked loss, 1 process": (1, (), {}),
         "full logits, 1 process": (1, (), {"chunked_loss": False}),
@@ -295,9 +410,8 @@ def full_fine_tuning(work: Path, args) -> dict:
         result = ours(work, model, data, processes, args, f"full_{name.split(',')[0].replace(' ', '_')}_{processes}",
                       flags=flags, **common, **overrides)
         summary = json.loads((Path(result["output_dir"]) / "train_summary.json").read_text())
-        table[name] = {"step_seconds": result["step_seconds"], "tokens_per_second": result["tokens_per_second"],
-                       "peak_rss_mib": result["peak_rss_mib"],
-                       "parameter_mib_per_rank": max(summary["parameter_bytes_per_rank"]) / 2**20}
+        table[name] = {key: result[key] for key in ("step_seconds", "tokens_per_second", "peak_rss_mib", "mfu", "examples")}
+        table[name]["parameter_mib_per_rank"] = max(summary["parameter_bytes_per_rank"]) / 2**20
     return {"vocab_size": REALISTIC_VOCAB, "hidden_size": 512, "layers": 4, "batch": 2,
             "max_seq_length": args.realistic_length, "steps": args.realistic_steps, "table": table}
 
@@ -305,10 +419,11 @@ def full_fine_tuning(work: Path, args) -> dict:
 def report_full(full: dict) -> list[str]:
     lines = ["", f"full fine-tuning: vocabulary {full['vocab_size']:,}, hidden {full['hidden_size']}, {full['layers']} "
                  f"layers, batch {full['batch']} x {full['max_seq_length']}-token rows (peak RSS per process)",
-             "| run | step time | tokens/s | peak RSS | parameters per rank |", "|---|---|---|---|---|"]
+             "| run | rows trained | step time | tokens/s | MFU | peak RSS | parameters per rank |",
+             "|---|---|---|---|---|---|---|"]
     for name, row in full["table"].items():
-        lines.append(f"| {name} | {row['step_seconds']:.3g} s | {row['tokens_per_second']:.3g} | "
-                     f"{row['peak_rss_mib']:.0f} MiB | {row['parameter_mib_per_rank']:.0f} MiB |")
+        lines.append(f"| {name} | {row['examples']} | {row['step_seconds']:.3g} s | {row['tokens_per_second']:.3g} | "
+                     f"{row['mfu']:.2f} | {row['peak_rss_mib']:.0f} MiB | {row['parameter_mib_per_rank']:.0f} MiB |")
     return lines
 
 
@@ -319,8 +434,8 @@ def report(results: dict) -> str:
     lines = ["| processes | metric | praisonai-accel | TRL SFTTrainer | ratio |", "|---|---|---|---|---|"]
     for processes, row in results["throughput"].items():
         a, b = row["praisonai-accel"], row["trl"]
-        for key, unit in [("step_seconds", " s"), ("tokens_per_second", ""), ("to_first_step_seconds", " s"),
-                          ("peak_rss_mib", " MiB"), ("padding_fraction", "")]:
+        for key, unit in [("step_seconds", " s"), ("tokens_per_second", ""), ("mfu", ""), ("examples", ""),
+                          ("to_first_step_seconds", " s"), ("peak_rss_mib", " MiB"), ("padding_fraction", "")]:
             ratio = a[key] / b[key] if a.get(key) and b.get(key) else None
             lines.append(f"| {processes} | {key} | {fmt(a.get(key), unit)} | {fmt(b.get(key), unit)} | {fmt(ratio)} |")
     ck = results["checkpoint"] or {}
@@ -331,13 +446,22 @@ def report(results: dict) -> str:
     real = results.get("realistic")
     if real:
         lines += ["", f"realistic case: vocabulary {real['vocab_size']:,}, hidden {real['hidden_size']}, "
-                      f"{real['layers']} layers, batch {real['batch']} x {real['max_seq_length']}-token rows, 1 process",
-                  "| run | step time | tokens/s | peak RSS | padding | step time / TRL | tokens/s / TRL | peak RSS / TRL |",
-                  "|---|---|---|---|---|---|---|---|"]
+                      f"{real['layers']} layers, batch {real['batch']} x rows up to {real['max_seq_length']} tokens, "
+                      f"1 process, one epoch over the same {real['rows']} rows",
+                  "| run | rows trained | target tokens | step time | tokens/s | MFU | peak RSS | padding | step time / TRL "
+                  "| tokens/s / TRL | peak RSS / TRL |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, row in real["table"].items():
-            lines.append(f"| {name} | {fmt(row['step_seconds'], ' s')} | {fmt(row['tokens_per_second'])} | "
-                         f"{fmt(row['peak_rss_mib'], ' MiB')} | {fmt(row['padding_fraction'])} | {fmt(row['step_time_ratio'])} | "
+            lines.append(f"| {name} | {row['examples']} | {row['targets']} | {fmt(row['step_seconds'], ' s')} | "
+                         f"{fmt(row['tokens_per_second'])} | {fmt(row['mfu'])} | {fmt(row['peak_rss_mib'], ' MiB')} | "
+                         f"{fmt(row['padding_fraction'])} | {fmt(row['step_time_ratio'])} | "
                          f"{fmt(row['tokens_per_second_ratio'])} | {fmt(row['peak_rss_ratio'])} |")
+    lines += report_sweep(results.get("sweep"))
+    peak = results.get("matmul_peak")
+    if peak:
+        lines += ["", f"matmul peak ({peak['dtype']}, {peak['size']}^3, best of {peak['measurements']} measurements in "
+                      f"this run): {peak['lowest_flops_per_second'] / 1e9:.0f} to {peak['best_flops_per_second'] / 1e9:.0f} "
+                      f"GFLOP/s; each run's MFU = its model FLOPs per second / the higher of the measurements just "
+                      f"before and after it"]
     if ck:
         ours_ck = ck["praisonai-accel"]
         lines += ["", f"preprocessing: first run {fmt(ours_ck['preprocess_first_seconds'], ' s')}, cached "
@@ -345,6 +469,23 @@ def report(results: dict) -> str:
     lines += [f"praisonai-accel --help: {fmt(results['help_seconds'], ' s')}", "", "targets:"]
     lines += [f"- {name}: {'PASS' if ok else 'FAIL'} ({detail})" for name, (ok, detail) in results["targets"].items()]
     return "\n".join(lines)
+
+
+def report_sweep(sweep: dict | None) -> list[str]:
+    if not sweep:
+        return []
+    lines = ["", f"scaling sweep: hidden {sweep['hidden_size']}, {sweep['layers']} layers, batch {sweep['batch']}, "
+                 f"1 process, one epoch over the same {sweep['rows']} rows per point (ours | TRL)",
+             "| vocabulary | max length | rows trained | step time | MFU | peak RSS | peak RSS less the LM head | "
+             "step time / TRL | peak RSS / TRL |", "|---|---|---|---|---|---|---|---|---|"]
+    for point in sweep["points"]:
+        a, b = point["table"]["praisonai-accel"], point["table"]["trl"]
+        lines.append(f"| {point['vocab_size']:,} | {point['max_seq_length']} | {a['examples']} / {b['examples']} | "
+                     f"{a['step_seconds']:.3g} s / {b['step_seconds']:.3g} s | {a['mfu']:.2f} / {b['mfu']:.2f} | "
+                     f"{a['peak_rss_mib']:.0f} / {b['peak_rss_mib']:.0f} MiB | "
+                     f"{a['rss_less_head_mib']:.0f} / {b['rss_less_head_mib']:.0f} MiB | "
+                     f"{a['step_time_ratio']:.2f} | {a['peak_rss_ratio']:.2f} |")
+    return lines
 
 
 def check_targets(results: dict) -> dict:
@@ -361,6 +502,13 @@ def check_targets(results: dict) -> dict:
         for key in ("step_time_ratio", "peak_rss_ratio"):
             target = TARGETS[f"realistic_{key}"]
             checks[f"realistic {key.replace('_', ' ')} <= {target} x TRL"] = (row[key] <= target, f"{row[key]:.3f}")
+        checks[f"realistic MFU >= {TARGETS['realistic_mfu']}"] = (row["mfu"] >= TARGETS["realistic_mfu"], f"{row['mfu']:.3f}")
+        checks["realistic: every tool trained the same rows"] = (len({r["examples"] for r in real["table"].values()}) == 1,
+                                                                 ", ".join(f"{n} {r['examples']} rows, {r['targets']} "
+                                                                           f"targets" for n, r in real["table"].items()))
+    for point in (results.get("sweep") or {}).get("points", []):
+        rows = {r["examples"] for r in point["table"].values()}
+        checks[f"sweep {point['vocab_size']}/{point['max_seq_length']}: same rows"] = (len(rows) == 1, str(sorted(rows)))
     if results["checkpoint"]:
         ck = results["checkpoint"]["praisonai-accel"]
         ratio = ck["preprocess_cached_seconds"] / ck["preprocess_first_seconds"]
@@ -378,12 +526,13 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=4000, help="training examples")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--case", choices=["all", "toy", "realistic", "full"], default="all",
+    parser.add_argument("--case", choices=["all", "toy", "realistic", "full", "sweep"], default="all",
                         help="toy: the 30-token rows of the tiny model; realistic: 128k vocabulary, long rows; full: full "
-                             "fine-tuning at the realistic shape (chunked vs full logits, DDP vs FSDP2)")
-    parser.add_argument("--realistic-steps", type=int, default=12)
+                             "fine-tuning at the realistic shape (chunked vs full logits, DDP vs FSDP2); sweep: 512-2048 "
+                             "token rows x 32k-262k vocabularies")
+    parser.add_argument("--realistic-steps", type=int, default=12, help="steps of the realistic case: 2 rows each")
     parser.add_argument("--realistic-length", type=int, default=512, help="max_seq_length of the realistic case")
-    parser.add_argument("--realistic-records", type=int, default=400)
+    parser.add_argument("--sweep-rows", type=int, default=8, help="rows (= steps, batch 1) of each sweep point")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="praisonai-accel-bench-"))
@@ -399,7 +548,9 @@ def main() -> int:
             "checkpoint": checkpoint_and_resume(work, model, data, args) if toy else None,
             "realistic": realistic(work, args) if args.case in ("all", "realistic") else None,
             "full": full_fine_tuning(work, args) if args.case in ("all", "full") else None,
+            "sweep": sweep(work, args) if args.case in ("all", "sweep") else None,
         }
+        results["matmul_peak"] = PEAK.summary()
         results["targets"] = check_targets(results)
         print(report(results) + ("\n" + "\n".join(report_full(results["full"])) if results["full"] else ""))
         args.out.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,9 @@
 
     accelerate launch bench/trl_baseline.py --model DIR --data FILE.jsonl --out DIR --steps N ...
 
-Writes <out>/bench_steps.jsonl: one line per optimizer step (rank 0: wall time; every rank:
-real and padded token counts of the batches it was handed), plus checkpoint save times.
+Writes <out>/bench_steps.rank<N>.jsonl: one line per optimizer step (rank 0: wall time; every rank: the examples,
+real and padded tokens, target tokens and model FLOPs of the batches it was handed, FLOPs counted by
+praisonai_accel/flops.py exactly as for praisonai-accel), plus checkpoint save times. --steps 0 trains one epoch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps; 0: one epoch over the data")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -40,6 +42,9 @@ def main() -> None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from praisonai_accel.flops import attended_keys, flop_counts
 
     rank = int(os.environ.get("RANK", 0))
     out = Path(args.out)
@@ -63,7 +68,8 @@ def main() -> None:
 
     config = SFTConfig(
         output_dir=str(out),
-        max_steps=args.steps,
+        max_steps=args.steps if args.steps > 0 else -1,
+        num_train_epochs=1,
         per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accum,
         learning_rate=args.lr,
@@ -87,11 +93,16 @@ def main() -> None:
                          peft_config=peft_config, callbacks=[StepTimes()])
 
     collate = trainer.data_collator
+    counts = flop_counts(trainer.model)
 
     def counting_collator(features):
         batch = collate(features)
         mask = batch["attention_mask"] if "attention_mask" in batch else (batch["input_ids"] != tokenizer.pad_token_id)
-        log.write(json.dumps({"tokens": int(mask.sum()), "positions": int(mask.numel()), "time": time.time()}) + "\n")
+        tokens, targets = int(mask.sum()), int((batch["labels"][:, 1:] != -100).sum())
+        attended = attended_keys(mask, batch.get("position_ids"))
+        log.write(json.dumps({"tokens": tokens, "positions": int(mask.numel()), "examples": len(features),
+                              "targets": targets, "model_flops": counts.step(tokens, attended, targets),
+                              "time": time.time()}) + "\n")
         return batch
 
     trainer.data_collator = counting_collator

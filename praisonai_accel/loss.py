@@ -2,9 +2,11 @@
 
 With a 128k-token vocabulary the LM head is most of a step: B x T x V fp32 logits (and as much again
 for their gradient) for positions that are mostly prompt or padding and never trained. Here the head
-is applied only at target positions (labels != -100), a chunk of them at a time, and each chunk's
-gradient is computed right away, so only one chunk of logits ever exists and backward does no
-recompute. Same loss and gradients as cross-entropy over the model's logits.
+is applied only at target positions (labels != -100) and its gradient is computed right away, so
+backward does no recompute. A frozen head (LoRA, QLoRA) walks the vocabulary in blocks with an online
+softmax: one 32 MiB tile of logits whatever the vocabulary, each block of the weight read once while
+in cache. A trained head (full fine-tuning) goes a chunk of targets at a time, one chunk of logits at
+once. Same loss and gradients as cross-entropy over the model's logits.
 
 `CausalLMLoss` is the module Accelerate prepares: its forward runs the decoder and the loss, so
 DDP sees every parameter the loss uses. Before training, `verify_head` checks that the decoder +
@@ -24,7 +26,13 @@ from .chat_masking import IGNORE_INDEX
 
 log = logging.getLogger("praisonai_accel")
 
-CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MiB in fp32 whatever the vocabulary
+CHUNK_ELEMENTS = 2**24  # a trained head: logits per chunk, 64 MiB in fp32 whatever the vocabulary
+# A frozen head: targets per row chunk, and logits per (row chunk x vocabulary block) tile, 32 MiB in fp32. Whatever the
+# vocabulary, only a tile of logits exists and each vocabulary block of the weight is read from memory once per row
+# chunk, while it is in cache, for both of its matmuls.
+FROZEN_HEAD_ROWS = 2048
+TILE_ELEMENTS = 2**23
+VOCAB_BLOCK = 4096  # at most: a block of a 4k-wide weight is 8 MiB in fp32 and stays in cache between its two matmuls
 
 
 def full_logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -34,15 +42,112 @@ def full_logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype of the head's matmuls: autocast's under mixed precision (matmuls given an out= buffer would
+    escape it and run in fp32), else the hidden states' own."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """a @ b, into `out` when given: a reused buffer on CPU, where a fresh 32+ MiB tensor is page-faulted in again."""
+    return torch.mm(a, b, out=out) if out is not None else a @ b
+
+
+def _transform(logits, bias, softcap, scale):
+    """The head's logits from the projection, in place: bias, logit scale (Cohere), softcapping (Gemma 2/3).
+    Returns the softcap's derivative factor 1 - tanh^2 (None without softcapping)."""
+    if bias is not None:
+        logits += bias.float()
+    if scale is not None:
+        logits *= scale
+    if softcap is None:
+        return None
+    capped = logits.div_(softcap).tanh_()
+    slope = 1 - capped * capped
+    capped.mul_(softcap)
+    return slope
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """sum_i CE(head(h_i), y_i) and its gradient for h, the head frozen (LoRA, QLoRA): online softmax.
+
+    Per row chunk, the vocabulary is walked once in blocks; each block's logits update a running max and sum of
+    exponentials (rescaled as the max grows) and add exp(logits - max) @ W_block to a running gradient, so
+    d/dh = sum_v softmax_v W_v - W_y comes out exact at the end without a second pass over the weight."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, softcap: float | None, scale: float | None):
+        compute = _compute_dtype(hidden)
+        w = weight if weight.dtype == compute else weight.to(compute)
+        rows_total, width = hidden.shape
+        vocab = weight.size(0)
+        needs_hidden = hidden.requires_grad
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = max(1, min(FROZEN_HEAD_ROWS, rows_total))
+        block = max(1, min(vocab, VOCAB_BLOCK, TILE_ELEMENTS // rows))
+        fp32 = compute == torch.float32
+        tile = torch.empty(rows, block, dtype=torch.float32, device=hidden.device) if fp32 and rows_total else None
+        for start in range(0, rows_total, rows):
+            h, y = hidden[start:start + rows].to(compute), targets[start:start + rows]
+            n = h.size(0)
+            peak = torch.full((n,), float("-inf"), device=h.device)
+            norm = torch.zeros(n, device=h.device)
+            target_logit = torch.zeros(n, device=h.device)
+            target_slope = torch.ones(n, device=h.device) if softcap is not None else None
+            acc = torch.zeros(n, width, device=h.device) if needs_hidden else None
+            for v0 in range(0, vocab, block):
+                w_block = w[v0:v0 + block]
+                logits = _matmul(h, w_block.t(), tile[:n, :w_block.size(0)] if fp32 else None).float()
+                slope = _transform(logits, None if bias is None else bias[v0:v0 + block], softcap, scale)
+                here = ((y >= v0) & (y < v0 + w_block.size(0))).nonzero().squeeze(1)
+                target_logit[here] = logits[here, y[here] - v0]
+                if slope is not None:
+                    target_slope[here] = slope[here, y[here] - v0]
+                new_peak = torch.maximum(peak, logits.amax(dim=-1))
+                rescale = (peak - new_peak).exp_()
+                exp = logits.sub_(new_peak[:, None]).exp_()
+                norm.mul_(rescale).add_(exp.sum(dim=-1))
+                peak = new_peak
+                if acc is None:
+                    continue
+                if slope is not None:
+                    exp *= slope
+                acc.mul_(rescale[:, None])
+                if fp32:
+                    acc.addmm_(exp, w_block)
+                else:
+                    acc += (exp.to(compute) @ w_block).float()
+            total += (peak + norm.log() - target_logit).sum()
+            if acc is not None:
+                target_rows = w[y].float()
+                if target_slope is not None:
+                    target_rows *= target_slope[:, None]
+                grad = acc.div_(norm[:, None]).sub_(target_rows)
+                grad_hidden[start:start + n] = grad * scale if scale is not None else grad
+        ctx.grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, ctx.grad_hidden = ctx.grad_hidden, None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_output)
+        return grad_hidden, None, None, None, None, None
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i CE(head(h_i), y_i) over rows of h, a chunk at a time; gradients are made in forward."""
+    """sum_i CE(head(h_i), y_i) over rows of h, a chunk at a time; gradients are made in forward. For a trained head
+    (full fine-tuning), whose weight gradient needs each row's normalised softmax."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int, softcap: float | None, scale: float | None):
         needs_hidden = hidden.requires_grad
         needs_weight = weight.requires_grad
         needs_bias = bias is not None and bias.requires_grad
-        compute = hidden.dtype
+        compute = _compute_dtype(hidden)
+        fp32 = compute == torch.float32
         w = weight if weight.dtype == compute else weight.to(compute)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         # The one full-size buffer of the loss: the weight's gradient, in the weight's own dtype (fp32 master weights
@@ -50,20 +155,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) if needs_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        buffer = torch.empty(min(chunk, hidden.size(0)), weight.size(0), device=hidden.device) if fp32 else None
         for start in range(0, hidden.size(0), chunk):
-            h = hidden[start:start + chunk]
+            h = hidden[start:start + chunk].to(compute)
             y = targets[start:start + chunk]
-            logits = (h @ w.t()).float()
-            if bias is not None:
-                logits += bias.float()
-            if scale is not None:
-                logits *= scale
-            if softcap is not None:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
+            logits = _matmul(h, w.t(), buffer[:h.size(0)] if fp32 else None).float()
+            slope = _transform(logits, bias, softcap, scale)
             # log-sum-exp and softmax in the logits' own memory: one chunk-sized buffer, no temporaries
             target_logits = logits.gather(1, y[:, None]).squeeze(1)
-            peak = logits.max(dim=-1, keepdim=True).values
+            peak = logits.amax(dim=-1, keepdim=True)
             grad = logits.sub_(peak).exp_()
             norm = grad.sum(dim=-1, keepdim=True)
             total += (peak.squeeze(1) + norm.squeeze(1).log() - target_logits).sum()
@@ -71,15 +171,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue
             grad.div_(norm)  # softmax
             grad[torch.arange(y.numel(), device=y.device), y] -= 1
-            if softcap is not None:
-                grad *= 1 - capped * capped
+            if slope is not None:
+                grad *= slope
             if scale is not None:
                 grad *= scale
             if needs_bias:
                 grad_bias += grad.sum(0)
             grad = grad.to(compute)
             if needs_hidden:
-                grad_hidden[start:start + chunk] = grad @ w
+                if fp32:
+                    torch.mm(grad, w, out=grad_hidden[start:start + chunk])
+                else:
+                    grad_hidden[start:start + chunk] = grad @ w
             if needs_weight:  # addmm_ into the buffer: no vocab x hidden temporary per chunk
                 same = grad_weight.dtype == compute
                 grad_weight.addmm_(grad.t() if same else grad.t().to(grad_weight.dtype), h if same else h.to(grad_weight.dtype))
@@ -96,6 +199,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_loss_sum(hidden, weight, bias, targets, softcap=None, scale=None) -> torch.Tensor:
+    if not weight.requires_grad and not (bias is not None and bias.requires_grad):
+        return _FrozenHeadCrossEntropy.apply(hidden, weight, bias, targets, softcap, scale)
     chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, softcap, scale)
 

@@ -15,8 +15,9 @@ from typing import Callable
 from .distributed import TTY_ENV
 
 log = logging.getLogger("praisonai_accel")
-_NOT_SHOWN = ("step", "time", "tokens", "positions")
-TRACKED = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_second", "step_seconds", "padding_fraction")
+_NOT_SHOWN = ("step", "time", "tokens", "positions", "targets", "examples", "model_flops")
+TRACKED = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_second", "step_seconds", "padding_fraction",
+           "model_tflops_per_second")
 
 
 def write_json_atomic(data: dict, path: Path) -> None:
@@ -48,14 +49,16 @@ class StepResult:
     positions: int  # tokens processed, padding included
     grad_norm: float | None
     stop: bool  # some rank received SIGTERM
+    examples: int = 0  # training examples (several to a packed row)
+    flops: float = 0.0  # model FLOPs (flops.py), all ranks
 
 
 class Window:
     """Steps since the last log line, summed over ranks."""
 
     def __init__(self):
-        self.steps = self.targets = self.tokens = self.positions = 0
-        self.loss_sum = 0.0
+        self.steps = self.targets = self.tokens = self.positions = self.examples = 0
+        self.loss_sum = self.flops = 0.0
         self.started = time.perf_counter()
 
     def add(self, step: StepResult) -> None:
@@ -64,6 +67,8 @@ class Window:
         self.targets += step.targets
         self.tokens += step.tokens
         self.positions += step.positions
+        self.examples += step.examples
+        self.flops += step.flops
 
     def record(self, state, learning_rate: float, grad_norm: float | None, batches_per_epoch: int) -> dict:
         elapsed = time.perf_counter() - self.started
@@ -74,10 +79,14 @@ class Window:
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
             "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,
+            "model_tflops_per_second": self.flops / elapsed / 1e12 if elapsed > 0 and self.flops else None,
             "step_seconds": elapsed / max(self.steps, 1),
             "padding_fraction": 1 - self.tokens / max(self.positions, 1),
             "tokens": self.tokens,
             "positions": self.positions,
+            "targets": self.targets,
+            "examples": self.examples,
+            "model_flops": self.flops,
             "time": time.time(),
         }
 

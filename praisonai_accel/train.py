@@ -112,10 +112,12 @@ def explain(exc: BaseException) -> str:
 
 
 def return_freed_memory_promptly() -> None:
-    """Serve allocations of 1 MiB and more with mmap, so freed activations go back to the OS at once.
+    """Serve allocations of 4 MiB and more with mmap, so freed large buffers go back to the OS at once.
 
     glibc raises its mmap threshold each time such a block is freed (up to 32 MiB), after which freed
     activation and logit buffers stay in the heap and peak RSS climbs by hundreds of MiB on long rows.
+    Not lower: every mmap'd block is page-faulted in afresh, and at 1 MiB the faults of a small model's
+    activations took a third of the step (bench/run.py, realistic case).
     """
     if not sys.platform.startswith("linux"):
         return
@@ -123,7 +125,7 @@ def return_freed_memory_promptly() -> None:
         import ctypes
 
         M_MMAP_THRESHOLD = -3
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 4 << 20)
     except (OSError, AttributeError):
         pass
 

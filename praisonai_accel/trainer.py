@@ -35,6 +35,7 @@ from .data import (
 from .distributed import VERBOSE_ENV, DistEnv, attempt_id, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
 from .errors import first_line
 from .evaluation import evaluate, record_evaluation
+from .flops import attended_keys, examples_in, flop_counts
 from .hub import model_card
 from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
 from .model import (
@@ -289,6 +290,7 @@ class Recipe:
                               "was dropped); add data or lower val_split_ratio")
         loader = self._train_loader(train_data)
         loss_module = self._loss_module(model, use_cuda)
+        self.flop_counts = flop_counts(model)
         if self.reentrant and accelerator.num_processes > 1:
             self._check_every_trainable_parameter_learns(loss_module, train_data)
         optimizer = self._build_optimizer(loss_module)
@@ -552,7 +554,7 @@ class Recipe:
         step_targets = int(accelerator.reduce(local, reduction="sum").item())
         scale = accelerator.num_processes / max(step_targets, 1)  # DDP averages over ranks; micro-batch grads add up
         loss_sum = torch.zeros((), device=accelerator.device)
-        tokens = positions = 0
+        tokens = positions = attended = examples = 0
         for index, batch in enumerate(group):
             if index and self._stop_agreed():
                 self.optimizer.zero_grad(set_to_none=True)
@@ -565,6 +567,8 @@ class Recipe:
             loss_sum += summed.detach()
             tokens += int(batch["attention_mask"].sum())
             positions += batch["attention_mask"].numel()
+            attended += attended_keys(batch["attention_mask"], batch.get("position_ids"))
+            examples += examples_in(batch)
         # Clipping at infinity clips nothing and still returns the norm, so grad_norm is always logged.
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
@@ -573,10 +577,13 @@ class Recipe:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # One collective for the loss, token counts and the stop decision, so every rank agrees.
+        local_flops = self.flop_counts.step(tokens, attended, float(local[0]))
         totals = accelerator.reduce(torch.tensor(
-            [float(loss_sum), float(tokens), float(positions), float(self.stop_requested)], device=accelerator.device), "sum")
+            [float(loss_sum), float(tokens), float(positions), float(self.stop_requested), float(examples), local_flops],
+            dtype=torch.float64 if accelerator.device.type != "mps" else torch.float32, device=accelerator.device), "sum")
         return StepResult(loss_sum=float(totals[0]), targets=step_targets, tokens=int(totals[1]),
-                          positions=int(totals[2]), grad_norm=grad_norm, stop=bool(totals[3] > 0))
+                          positions=int(totals[2]), grad_norm=grad_norm, stop=bool(totals[3] > 0),
+                          examples=int(totals[4]), flops=float(totals[5]))
 
     def _stop_agreed(self) -> bool:
         """Whether any rank has been asked to stop: every rank must leave the step at the same micro-batch."""
@@ -742,6 +749,7 @@ class Recipe:
         summary.update({
             "distributed_type": accelerator.distributed_type.name,
             "parameter_bytes_per_rank": gather_object([self.parameter_bytes]),
+            "flop_counts": self.flop_counts.as_dict(),
             "rank_weight_digests": digests,
             "weights_in_sync": len(set(digests)) == 1,
             "backend": self.backend.name,

@@ -133,16 +133,22 @@ def test_keep_response_with_the_real_phi3_tokenizer(phi3_tokenizer):
     assert phi3_tokenizer.decode(example.input_ids).startswith("<|user|>")
 
 
-def test_the_benchmarks_long_rows_are_all_trained_by_default(tmp_path, tokenizer):
-    """The benchmark's long rows at 128 tokens: with excess_length_strategy drop, 213 of 400 are dropped (their
-    response alone is too long), where TRL and LLaMA-Factory train all 400. By default every row is trained."""
-    import sys
-    from pathlib import Path
+def long_records(count: int, seed: int = 2) -> list[dict]:
+    """Alpaca rows with long inputs, most of each the prompt: 256 to 2,400 tokens with the demo tokenizer."""
+    import random
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from run import realistic_records
+    from praisonai_accel.demo import _NAMES
 
-    write_jsonl(realistic_records(400), tmp_path / "long.jsonl")
+    rng = random.Random(seed)
+    words = lambda n: " ".join(rng.choice(_NAMES) for _ in range(n))
+    return [{"instruction": "repeat the last words of the input", "input": words(rng.randint(60, 600)),
+             "output": words(rng.randint(10, 80))} for _ in range(count)]
+
+
+def test_long_rows_are_all_trained_by_default(tmp_path, tokenizer):
+    """400 long rows at 128 tokens: with excess_length_strategy drop, 213 of them are dropped (their response alone
+    is too long), where TRL and LLaMA-Factory train all 400. By default every row is trained."""
+    write_jsonl(long_records(400), tmp_path / "long.jsonl")
     spec = [{"name": str(tmp_path / "long.jsonl")}]
     by_default = config_for(tmp_path, spec, max_seq_length=128)
     data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache")

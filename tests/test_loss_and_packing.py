@@ -73,7 +73,9 @@ def assert_close_grads(a: dict, b: dict, tol: float) -> None:
 
 @pytest.mark.parametrize("kind,vocab,attn", [("llama", LLAMA3_VOCAB, "sdpa"), ("gemma2", 512, "eager"), ("qwen3_moe", 512, "sdpa")])
 def test_chunked_loss_has_the_same_loss_and_gradients_as_full_logits(kind, vocab, attn, monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", vocab * 7)  # several chunks per batch
+    # LoRA freezes the head: several row chunks of 16 targets, and 5 vocabulary blocks (the last one shorter)
+    monkeypatch.setattr(loss_module, "FROZEN_HEAD_ROWS", 16)
+    monkeypatch.setattr(loss_module, "TILE_ELEMENTS", 16 * (vocab // 5 + 1))
     model = lora(tiny(kind, vocab, attn))
     chunked, full = CausalLMLoss(model, chunked=True), CausalLMLoss(model, chunked=False)
     assert verify_head(chunked, list(range(3, 19)), "cpu")
@@ -102,6 +104,52 @@ def test_chunked_loss_trains_a_full_lm_head_and_bias_like_autograd():
         assert abs(got.item() - expected.item()) <= 1e-4
         for g, r in zip(grads, reference):
             assert (g - r).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_head_gives_the_loss_and_hidden_gradient_of_autograd(dtype, monkeypatch):
+    """The online-softmax path (LoRA/QLoRA: the head takes no gradient), walked over 3 row chunks x 4 vocabulary
+    blocks, with a frozen bias, logit scaling and softcapping, and with targets in every block."""
+    monkeypatch.setattr(loss_module, "FROZEN_HEAD_ROWS", 10)
+    monkeypatch.setattr(loss_module, "TILE_ELEMENTS", 10 * 80)
+    torch.manual_seed(0)
+    hidden = (torch.randn(23, 16) * 2).to(dtype).requires_grad_()
+    weight, bias = torch.randn(300, 16), torch.randn(300)
+    targets = torch.randint(0, 300, (23,))
+    for with_bias, softcap, scale in ((False, None, None), (True, 5.0, None), (False, None, 0.25), (True, 3.0, 2.0)):
+        b = bias if with_bias else None
+        got = chunked_loss_sum(hidden, weight, b, targets, softcap, scale)
+        (grad,) = torch.autograd.grad(got * 2, (hidden,))
+        logits = (hidden @ weight.to(dtype).t()).float() + (b if with_bias else 0)
+        logits = logits * scale if scale else logits
+        logits = torch.tanh(logits / softcap) * softcap if softcap else logits
+        expected = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        (reference,) = torch.autograd.grad(expected * 2, (hidden,))
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert grad.dtype == dtype
+        assert abs(got.item() - expected.item()) <= tolerance * abs(expected.item())
+        assert (grad.float() - reference.float()).abs().max().item() <= tolerance * reference.float().abs().max().item()
+    # no target at all: a zero loss and a zero gradient
+    empty = chunked_loss_sum(hidden[:0], weight, None, targets[:0])
+    assert empty.item() == 0
+
+
+def test_under_autocast_the_head_computes_in_autocasts_dtype():
+    """bf16 mixed precision: fp32 hidden states from the final norm, the head's matmuls in bf16 as autocast would
+    run them (closer to the bf16 reference than to the fp32 one), the gradient handed back in fp32."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(23, 64) * 2).requires_grad_()
+    weight, targets = torch.randn(300, 64), torch.randint(0, 300, (23,))
+    for trained_head in (False, True):
+        w = weight.clone().requires_grad_(trained_head)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = chunked_loss_sum(hidden, w, None, targets)
+        (grad,) = torch.autograd.grad(got, (hidden,))
+        assert grad.dtype == torch.float32
+        bf16 = torch.nn.functional.cross_entropy((hidden.bfloat16() @ weight.bfloat16().t()).float(), targets,
+                                                 reduction="sum")
+        fp32 = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+        assert abs(got.item() - bf16.item()) < abs(got.item() - fp32.item()), (got, bf16, fp32)
 
 
 def test_a_head_that_is_not_a_plain_projection_falls_back_to_full_logits():

@@ -152,6 +152,12 @@ def test_packed_rows_give_the_same_update_on_2xB_and_on_1xB_with_accumulation(tm
     for key, value in reference.items():
         diff = (value.double() - adapter[key].double()).abs().max().item()
         assert diff <= 1e-5, f"{key}: {diff}"
+    # the model FLOPs and examples of a step are the same however its rows are split (summed over ranks and
+    # micro-batches), and several examples share a packed row
+    for key in ("model_flops", "examples", "targets"):
+        values = {name: [m[key] for m in read_metrics(tmp_path / name / "out")] for name in variants}
+        assert values["2xB"] == values["1xBxaccum2"] and min(values["2xB"]) > 0, (key, values)
+    assert sum(m["examples"] for m in read_metrics(tmp_path / "2xB" / "out")) > 3 * 4
     padding = [m["padding_fraction"] for m in read_metrics(tmp_path / "2xB" / "out")]
     # packed rows nearly full (~30-token examples in 128-token rows here; the 2% target at realistic lengths is
     # test_best_fit_decreasing_fills_rows)

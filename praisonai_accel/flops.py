@@ -62,10 +62,11 @@ def flop_counts(model) -> FlopCounts:
             trained += count
         else:
             frozen += count
-    heads = getattr(config, "num_attention_heads")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # an architecture that names these otherwise counts no attention rather than failing the run
+    heads = getattr(config, "num_attention_heads", None) or 0
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
     head_weight = head.weight if head is not None else embeddings.weight
-    return FlopCounts(frozen=int(frozen), trained=int(trained), layers=config.num_hidden_layers,
+    return FlopCounts(frozen=int(frozen), trained=int(trained), layers=getattr(config, "num_hidden_layers", 0) or 0,
                       attention_width=heads * head_dim, head=head_weight.shape[0] * head_weight.shape[1],
                       head_trained=head_weight.requires_grad)
 

@@ -153,10 +153,11 @@ def ours(work: Path, model: Path, data: Path, processes: int, args, name: str, p
     summary = json.loads((out / "train_summary.json").read_text())
     first = min(r["time"] - r["step_seconds"] for r in steps)  # when the first step (of this launch) began
     measured = steps[WARMUP_STEPS:]
+    flops_per_second = sum(r["model_flops"] for r in measured) / sum(r["step_seconds"] for r in measured)
     return {
         "step_seconds": median([r["step_seconds"] for r in measured]),
-        "flops_per_second": sum(r["model_flops"] for r in measured) / sum(r["step_seconds"] for r in measured),
-        "mfu": sum(r["model_flops"] for r in measured) / sum(r["step_seconds"] for r in measured) / matmul_peak,
+        "flops_per_second": flops_per_second,
+        "mfu": flops_per_second / matmul_peak,
         "matmul_peak": matmul_peak,
         "model_flops_per_step": statistics.mean(r["model_flops"] for r in measured),
         "examples": sum(r["examples"] for r in steps),
@@ -208,10 +209,11 @@ def trl(work: Path, model: Path, data: Path, processes: int, args, name: str, sa
         save_seconds = median([s["time"] - step_end[s["saved"]] for s in saves if s["saved"] in step_end])
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     first_step_start = times[0] - (median(step_times) or 0)
+    flops_per_second = sum(step_flops[WARMUP_STEPS:]) / (times[-1] - times[WARMUP_STEPS - 1])
     return {
         "step_seconds": median(step_times),
-        "flops_per_second": sum(step_flops[WARMUP_STEPS:]) / (times[-1] - times[WARMUP_STEPS - 1]),
-        "mfu": sum(step_flops[WARMUP_STEPS:]) / (times[-1] - times[WARMUP_STEPS - 1]) / matmul_peak,
+        "flops_per_second": flops_per_second,
+        "mfu": flops_per_second / matmul_peak,
         "matmul_peak": matmul_peak,
         "model_flops_per_step": statistics.mean(step_flops[WARMUP_STEPS:]),
         "examples": sum(c["examples"] for c in counts),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .loss import transformers_model
+
 
 @dataclass(frozen=True)
 class FlopCounts:
@@ -45,7 +47,7 @@ def _routed_fraction(config) -> float:
 
 def flop_counts(model) -> FlopCounts:
     """From the model being trained (a PeftModel for LoRA): its decoder's matrices, split by whether they train."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     config = _text_config(base.config)
     head = base.get_output_embeddings()
     embeddings = base.get_input_embeddings()

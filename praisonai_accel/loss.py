@@ -205,7 +205,7 @@ def chunked_loss_sum(hidden, weight, bias, targets, softcap=None, scale=None) ->
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, softcap, scale)
 
 
-def _transformers_model(model):
+def transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -224,7 +224,7 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.causal_lm = causal_lm
         self.chunked = chunked
-        base = _transformers_model(causal_lm)
+        base = transformers_model(causal_lm)
         self.softcap, self.scale = _head_settings(base.config)
         # liger-kernel's LigerFusedLinearCrossEntropyLoss, for heads without softcapping or scaling
         self.liger = liger if self.softcap is None and self.scale is None else None
@@ -233,11 +233,11 @@ class CausalLMLoss(nn.Module):
 
     # The decoder and head live inside causal_lm; they are looked up, not registered twice.
     def _decoder(self):
-        base = _transformers_model(self.causal_lm)
+        base = transformers_model(self.causal_lm)
         return getattr(base, base.base_model_prefix)
 
     def _head(self):
-        return _transformers_model(self.causal_lm).get_output_embeddings()
+        return transformers_model(self.causal_lm).get_output_embeddings()
 
     # What libraries read from the model they wrap, read through to the model being trained: FSDP2's transformer
     # wrapping (a unit per decoder layer, the embeddings, the final norm and the head) and weight tying.
@@ -249,16 +249,16 @@ class CausalLMLoss(nn.Module):
 
     @property
     def _no_split_modules(self):
-        return getattr(_transformers_model(self.causal_lm), "_no_split_modules", None)
+        return getattr(transformers_model(self.causal_lm), "_no_split_modules", None)
 
     def get_input_embeddings(self):
-        return _transformers_model(self.causal_lm).get_input_embeddings()
+        return transformers_model(self.causal_lm).get_input_embeddings()
 
     def get_output_embeddings(self):
         return self._head()
 
     def tie_weights(self, *args, **kwargs):
-        return _transformers_model(self.causal_lm).tie_weights(*args, **kwargs)
+        return transformers_model(self.causal_lm).tie_weights(*args, **kwargs)
 
     def forward(self, input_ids, labels, attention_mask=None, position_ids=None) -> torch.Tensor:
         if position_ids is not None:  # packed rows: the mask comes from the restarting position ids

@@ -577,13 +577,13 @@ class Recipe:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # One collective for the loss, token counts and the stop decision, so every rank agrees.
-        local_flops = self.flop_counts.step(tokens, attended, float(local[0]))
         totals = accelerator.reduce(torch.tensor(
-            [float(loss_sum), float(tokens), float(positions), float(self.stop_requested), float(examples), local_flops],
+            [float(loss_sum), float(tokens), float(positions), float(self.stop_requested), float(examples), float(attended)],
             dtype=torch.float64 if accelerator.device.type != "mps" else torch.float32, device=accelerator.device), "sum")
-        return StepResult(loss_sum=float(totals[0]), targets=step_targets, tokens=int(totals[1]),
+        tokens, attended = int(totals[1]), int(totals[5])
+        return StepResult(loss_sum=float(totals[0]), targets=step_targets, tokens=tokens,
                           positions=int(totals[2]), grad_norm=grad_norm, stop=bool(totals[3] > 0),
-                          examples=int(totals[4]), flops=float(totals[5]))
+                          examples=int(totals[4]), flops=self.flop_counts.step(tokens, attended, step_targets))
 
     def _stop_agreed(self) -> bool:
         """Whether any rank has been asked to stop: every rank must leave the step at the same micro-batch."""

@@ -478,7 +478,80 @@ def load_datasets(config: TrainConfig, tokenizer):
     what training, `preprocess` and `preview` all read, from one cache."""
     train, stats, cached = load_or_build(config.dataset, tokenizer, config, cache_dir(config))
     evaluation = load_or_build(config.eval_dataset, tokenizer, config, cache_dir(config))[0] if config.eval_dataset else None
+    remember_inputs(config, tokenizer)
     return train, stats, cached, evaluation
+
+
+# The cache is keyed by the loaded tokenizer, and loading one imports torch and transformers: seconds of CPU that
+# `praisonai-accel train` would spend while its workers start. For a tokenizer in a local folder, the files it is
+# read from (and the library versions reading them) say the same, so an index from them to the cache entries lets
+# the launcher see a filled cache without a tokenizer. The workers still load their tokenizer and key the cache
+# with it: an index that is wrong can only cost them a tokenization, never hand them another run's data.
+INPUTS_INDEX = "by-inputs"
+
+
+def inputs_key(config: TrainConfig) -> str | None:
+    """A key for everything preprocessing reads, taken from files rather than a loaded tokenizer; None when the
+    tokenizer is not a local folder (a Hub id is only known by loading it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    folder = Path(config.tokenizer_name or config.model_name).expanduser()
+    if not folder.is_dir():
+        return None
+    try:
+        template = resolve_chat_template(config.chat_template) if config.chat_template else None
+        files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()]
+        versions = []
+        for package in ("transformers", "tokenizers", "trl"):
+            try:
+                versions.append(version(package))
+            except PackageNotFoundError:
+                versions.append(None)
+        identity = {
+            "version": PREPROCESS_VERSION,
+            "tokenizer": [str(folder.resolve()), files, template, config.trust_remote_code, versions],
+            "train": [_source_identity(s) for s in config.dataset],
+            "eval": [_source_identity(s) for s in config.eval_dataset or []],
+            "max_seq_length": config.max_seq_length,
+            "train_on_inputs": config.train_on_inputs,
+            "truncation": config.truncation,
+            "excess_length_strategy": config.excess_length_strategy,
+        }
+    except (OSError, DataError):
+        return None  # the tokenizer path says why
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def remember_inputs(config: TrainConfig, tokenizer) -> None:
+    key = inputs_key(config)
+    if key is None:
+        return
+    index = cache_dir(config) / INPUTS_INDEX / f"{key}.json"
+    entries = [entry.name for entry in cache_entries(config, tokenizer)]
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{index.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"entries": entries}))
+        os.replace(tmp, index)
+    except OSError:
+        pass  # a read-only cache only loses the shortcut
+
+
+def cached_for_inputs(config: TrainConfig) -> bool:
+    """Whether the cache holds this config's datasets, known without loading the tokenizer (see INPUTS_INDEX)."""
+    key = inputs_key(config)
+    if key is None:
+        return False
+    try:
+        entries = json.loads((cache_dir(config) / INPUTS_INDEX / f"{key}.json").read_text())["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    expected = 1 + bool(config.eval_dataset)
+    if not isinstance(entries, list) or len(entries) != expected or not all(isinstance(e, str) for e in entries):
+        return False
+    folders = [cache_dir(config) / entry for entry in entries]
+    return all(f.parent == cache_dir(config) and TokenizedDataset.exists(f) and (f / STATS_FILE).exists()
+               for f in folders)
 
 
 def cache_entries(config: TrainConfig, tokenizer) -> list[Path]:

@@ -10,8 +10,8 @@ import pytest
 from praisonai_accel.chat_masking import plan_masking
 from praisonai_accel.config import DatasetSpec, parse_config
 from praisonai_accel.data import (
-    IGNORE_INDEX, Conversation, DataError, PadCollator, cache_key, encode_chat, encode_text, ensure_chat_template,
-    load_or_build, to_conversation,
+    IGNORE_INDEX, INPUTS_INDEX, Conversation, DataError, PadCollator, cache_key, cached_for_inputs, encode_chat,
+    encode_text, ensure_chat_template, load_datasets, load_or_build, to_conversation,
 )
 from praisonai_accel.demo import write_jsonl
 
@@ -195,6 +195,52 @@ def test_cache_key_changes_with_tokenizer_and_max_seq_length(tmp_path, tokenizer
             cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], truncation="right")),
             cache_key(config.dataset, tokenizer, config_for(tmp_path, [{"name": "x.jsonl"}], excess_length_strategy="drop"))}
     assert len(keys) == 5
+
+
+def test_a_filled_cache_is_found_from_the_files_without_a_tokenizer(tmp_path, tiny_model):
+    """The launcher's shortcut: an index from the files preprocessing reads to the cache entries. Any change to
+    those files or to a setting that shapes the tokens misses it; an index naming anything else is not trusted."""
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 3, tmp_path / "a.jsonl")
+    write_jsonl([{"instruction": "add 2 and 2", "input": "", "output": "4"}] * 2, tmp_path / "e.jsonl")
+
+    def config(**kw):
+        return parse_config({"model_name": str(model), "dataset": [{"name": str(tmp_path / "a.jsonl")}],
+                             "eval_dataset": [{"name": str(tmp_path / "e.jsonl")}], "output_dir": str(tmp_path / "out"), **kw})
+
+    def fill(cfg):
+        tok = AutoTokenizer.from_pretrained(str(model))
+        ensure_chat_template(tok, cfg.chat_template)
+        load_datasets(cfg, tok)
+
+    assert not cached_for_inputs(config())
+    fill(config())
+    assert cached_for_inputs(config())
+    assert not cached_for_inputs(config(max_seq_length=64)) and not cached_for_inputs(config(truncation="right"))
+    assert not cached_for_inputs(config(chat_template="{{ messages }}"))
+    assert not cached_for_inputs(config(model_name="org/a-hub-model"))  # only known by loading its tokenizer
+    index = next((tmp_path / "out" / ".cache" / "preprocessed" / INPUTS_INDEX).iterdir())
+    entries = json.loads(index.read_text())["entries"]
+    assert len(entries) == 2  # training and eval sets
+    index.write_text(json.dumps({"entries": ["../../elsewhere", entries[1]]}))
+    assert not cached_for_inputs(config())
+    index.write_text("not json")
+    assert not cached_for_inputs(config())
+    fill(config())
+    shutil.rmtree(tmp_path / "out" / ".cache" / "preprocessed" / entries[1])  # an entry gone: not filled
+    assert not cached_for_inputs(config())
+    fill(config())
+    tokenizer_file = model / "tokenizer_config.json"
+    os.utime(tokenizer_file, ns=(tokenizer_file.stat().st_atime_ns, tokenizer_file.stat().st_mtime_ns + 10**9))
+    assert not cached_for_inputs(config())
+    fill(config())
+    write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 4, tmp_path / "a.jsonl")
+    assert not cached_for_inputs(config())
 
 
 def test_dropped_and_truncated_examples_are_counted_and_warned(tmp_path, tokenizer):

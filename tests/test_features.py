@@ -13,8 +13,9 @@ import yaml
 from safetensors import safe_open
 
 from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.data import INPUTS_INDEX
 
-from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
+from conftest import cli, cpu_env, fault_env, load_adapter, read_metrics, read_summary, write_config
 from fake_servers import FakeHub
 
 TWO = ("--cpu", "--num-processes", "2")
@@ -141,9 +142,13 @@ def test_preprocess_preview_and_train_share_one_cache(tmp_path, tiny_model, alpa
     assert out.count("--- example") == 2 and "[[" in out and "<|im_end|>]]" in out  # piped: brackets, not colour
     assert "trained fraction" in out and "truncated by max_seq_length" in out and "lengths (max_seq_length 40):" in out
     assert "(from the cache; training reads the same cache)" in out
-    train = cli("train", str(config))
+    imports = tmp_path / "launcher-imports"
+    train = cli("train", str(config), env=fault_env(LAUNCHER_IMPORTS=str(imports)))
     assert train.returncode == 0 and "(cached)" in train.stderr
-    assert len(list(prepared.iterdir())) == 1 and not (tmp_path / "out" / ".cache").exists()
+    entries = [p for p in prepared.iterdir() if p.name != INPUTS_INDEX]
+    assert len(entries) == 1 and not (tmp_path / "out" / ".cache").exists()
+    # the launcher found the cache through the index preprocess wrote: no tokenizer, so no transformers import
+    assert imports.read_text() == "transformers=False"
 
 
 def test_lora_on_lm_head_trains_it(tmp_path, tiny_model, alpaca_file):

@@ -205,7 +205,8 @@ def preprocess_beside_workers(cfg, plan) -> Path:
     import uuid
 
     from ..data import (
-        PREPROCESSING_ENV, DataError, ensure_chat_template, load_datasets, quiet_datasets, write_preprocessing_status,
+        PREPROCESSING_ENV, DataError, cached_for_inputs, ensure_chat_template, load_datasets, quiet_datasets,
+        write_preprocessing_status,
     )
     from ..model import load_tokenizer
     from ._common import cannot_load_tokenizer
@@ -216,6 +217,9 @@ def preprocess_beside_workers(cfg, plan) -> Path:
     quiet_datasets(progress=sys.stderr.isatty())
 
     def work() -> None:
+        if cached_for_inputs(cfg):
+            write_preprocessing_status(status, "done", cached=True)
+            return
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice

@@ -10,6 +10,8 @@ PRAISONAI_ACCEL_TEST_HANG=R:N               rank R sleeps for an hour inside the
 PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH=S     every micro-batch forward takes S seconds longer, on every rank
 PRAISONAI_ACCEL_TEST_PREFLIGHT=late:R:S     rank R reaches the preflight all-reduce S seconds late
 PRAISONAI_ACCEL_TEST_PREFLIGHT=version:R:P=V  rank R reports version V of package P
+PRAISONAI_ACCEL_TEST_LAUNCHER_IMPORTS=FILE  the `praisonai-accel` process writes, as it exits, whether it imported
+                                            transformers
 """
 
 import importlib.abc
@@ -22,6 +24,7 @@ _PREPROCESS = os.environ.get("PRAISONAI_ACCEL_TEST_PREPROCESS", "")
 _HANG = os.environ.get("PRAISONAI_ACCEL_TEST_HANG", "")
 _SLOW_MICRO_BATCH = float(os.environ.get("PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH", "0"))
 _PREFLIGHT = os.environ.get("PRAISONAI_ACCEL_TEST_PREFLIGHT", "")
+_LAUNCHER_IMPORTS = os.environ.get("PRAISONAI_ACCEL_TEST_LAUNCHER_IMPORTS", "")
 
 
 def _rank0() -> bool:
@@ -138,3 +141,15 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+
+def _record_launcher_imports() -> None:
+    if sys.argv[0].endswith(os.path.join("praisonai_accel", "__main__.py")):  # only -m sets it, after start-up
+        Path(_LAUNCHER_IMPORTS).write_text(f"transformers={'transformers' in sys.modules}")
+
+
+if _LAUNCHER_IMPORTS:
+    import atexit
+
+    atexit.register(_record_launcher_imports)

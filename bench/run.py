@@ -78,7 +78,7 @@ class PeakRss:
 
 def run_command(command: list[str], marker: str, env: dict) -> tuple[float, float | None, float]:
     """Runs a contender; returns when it started, its peak RSS, and the matmul peak measured just before and just after
-    it (the higher of the two: what the machine could do around this run)."""
+    it (their mean: what the machine could do, on average, while it ran)."""
     before = PEAK.measure()
     started = time.time()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -87,7 +87,7 @@ def run_command(command: list[str], marker: str, env: dict) -> tuple[float, floa
     peak = rss.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{command[:4]}... failed ({proc.returncode}):\n{output[-3000:]}")
-    return started, peak, max(before, PEAK.measure())
+    return started, peak, (before + PEAK.measure()) / 2
 
 
 def cpu_env() -> dict:
@@ -95,25 +95,33 @@ def cpu_env() -> dict:
 
 
 class MatmulPeak:
-    """The machine's matmul rate, measured in this run (a 2048^3 product, best of 5, all of torch's threads, at the
-    dtype the runs compute in) just before and just after every contender. A shared machine varies by tens of percent
-    over minutes, so each run's MFU divides by the higher of its own two measurements."""
+    """The machine's matmul rate, measured in this run (a 2048^3 product, all of torch's threads, at the dtype the
+    runs compute in) just before and just after every contender. A shared machine drifts by tens of percent within
+    seconds, so a measurement is the mean of 3 bursts half a second apart (each the best of 5 products, which only
+    drops scheduler blips), and a run's MFU divides by the mean of its two: a run's FLOPs per second are an average
+    over its steps, and so is the rate it is compared with. The highest burst alone would understate MFU on a busy
+    machine."""
 
     def __init__(self, dtype: str = "float32", size: int = 2048):
         self.dtype, self.size, self.samples = dtype, size, []
 
-    def measure(self) -> float:
+    def measure(self, bursts: int = 3) -> float:
         import torch
 
         a = torch.randn(self.size, self.size, dtype=getattr(torch, self.dtype))
         b = torch.randn(self.size, self.size, dtype=a.dtype)
         a @ b
-        best = float("inf")
-        for _ in range(5):
-            started = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - started)
-        self.samples.append(2 * self.size**3 / best)
+        rates = []
+        for burst in range(bursts):
+            if burst:
+                time.sleep(0.5)
+            best = float("inf")
+            for _ in range(5):
+                started = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - started)
+            rates.append(2 * self.size**3 / best)
+        self.samples.append(sum(rates) / len(rates))
         return self.samples[-1]
 
     @property
@@ -460,9 +468,9 @@ def report(results: dict) -> str:
     lines += report_sweep(results.get("sweep"))
     peak = results.get("matmul_peak")
     if peak:
-        lines += ["", f"matmul peak ({peak['dtype']}, {peak['size']}^3, best of {peak['measurements']} measurements in "
-                      f"this run): {peak['lowest_flops_per_second'] / 1e9:.0f} to {peak['best_flops_per_second'] / 1e9:.0f} "
-                      f"GFLOP/s; each run's MFU = its model FLOPs per second / the higher of the measurements just "
+        lines += ["", f"matmul peak ({peak['dtype']}, {peak['size']}^3, {peak['measurements']} measurements in this "
+                      f"run): {peak['lowest_flops_per_second'] / 1e9:.0f} to {peak['best_flops_per_second'] / 1e9:.0f} "
+                      f"GFLOP/s; each run's MFU = its model FLOPs per second / the mean of the measurements just "
                       f"before and after it"]
     if ck:
         ours_ck = ck["praisonai-accel"]

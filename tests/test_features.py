@@ -96,8 +96,10 @@ def test_seed_key_names_push_to_the_hub(feature_run):
 
 def test_preprocessing_cache_is_built_once_and_read_by_other_ranks_and_later_runs(feature_run):
     out, result, _ = feature_run
-    entries = [p for p in (out / ".cache" / "preprocessed").iterdir()]
+    entries = [p for p in (out / ".cache" / "preprocessed").iterdir() if p.name != INPUTS_INDEX]
     assert len(entries) == 1 and not [p for p in entries if ".tmp" in p.name]
+    index = list((out / ".cache" / "preprocessed" / INPUTS_INDEX).iterdir())
+    assert len(index) == 1 and json.loads(index[0].read_text())["entries"] == [entries[0].name]
     assert "data: " in result.stderr and "(cached)" not in result.stderr  # the launcher tokenized, once...
     assert "(cached)" not in (out / "logs" / "rank-1.log").read_text()  # ...for this run, and every rank read it
     assert not list((out / "logs").glob(".preprocessing-*"))  # its status file is gone with it

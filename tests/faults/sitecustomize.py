@@ -143,7 +143,6 @@ if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport())
 
 
-
 def _record_launcher_imports() -> None:
     if sys.argv[0].endswith(os.path.join("praisonai_accel", "__main__.py")):  # only -m sets it, after start-up
         Path(_LAUNCHER_IMPORTS).write_text(f"transformers={'transformers' in sys.modules}")

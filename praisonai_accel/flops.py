@@ -73,22 +73,21 @@ def flop_counts(model) -> FlopCounts:
                       head_trained=head_weight.requires_grad)
 
 
-def attended_keys(attention_mask, position_ids=None) -> int:
+# Both counts are 0-dim integer tensors on the batch's device, so a step sums them over its micro-batches without
+# waiting for the device.
+
+def attended_keys(attention_mask, position_ids=None):
     """Keys attended over a batch, summed over real tokens: a token at position p of its sequence attends p + 1.
     Packed rows restart their position ids at every example; padded rows count from each row's first token."""
     import torch
 
-    mask = attention_mask.bool()
-    if position_ids is None:
-        positions = torch.cumsum(attention_mask, dim=1) - 1
-    else:
-        positions = position_ids
-    return int((positions + 1)[mask].sum())
+    positions = torch.cumsum(attention_mask, dim=1) - 1 if position_ids is None else position_ids
+    return ((positions + 1) * attention_mask.bool()).sum()
 
 
-def examples_in(batch) -> int:
+def examples_in(batch):
     """Training examples in a batch: rows, or in packed rows the sequences their position ids start."""
     mask = batch["attention_mask"].bool()
     if "position_ids" in batch:
-        return int(((batch["position_ids"] == 0) & mask).sum())
-    return int(mask.any(dim=1).sum())
+        return ((batch["position_ids"] == 0) & mask).sum()
+    return mask.any(dim=1).sum()

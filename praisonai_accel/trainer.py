@@ -554,7 +554,8 @@ class Recipe:
         step_targets = int(accelerator.reduce(local, reduction="sum").item())
         scale = accelerator.num_processes / max(step_targets, 1)  # DDP averages over ranks; micro-batch grads add up
         loss_sum = torch.zeros((), device=accelerator.device)
-        tokens = positions = attended = examples = 0
+        counts = torch.zeros(3, dtype=torch.long, device=accelerator.device)  # real tokens, attended keys, examples
+        positions = 0
         for index, batch in enumerate(group):
             if index and self._stop_agreed():
                 self.optimizer.zero_grad(set_to_none=True)
@@ -565,10 +566,10 @@ class Recipe:
                 summed = model(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids"))
                 accelerator.backward(summed * scale)
             loss_sum += summed.detach()
-            tokens += int(batch["attention_mask"].sum())
-            positions += batch["attention_mask"].numel()
-            attended += attended_keys(batch["attention_mask"], batch.get("position_ids"))
-            examples += examples_in(batch)
+            mask = batch["attention_mask"]
+            counts += torch.stack([mask.sum(), attended_keys(mask, batch.get("position_ids")), examples_in(batch)])
+            positions += mask.numel()
+        tokens, attended, examples = counts.tolist()  # one wait for the device per step, not three per micro-batch
         # Clipping at infinity clips nothing and still returns the norm, so grad_norm is always logged.
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))

@@ -44,6 +44,7 @@ def main() -> None:
     from trl import SFTConfig, SFTTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from praisonai_accel.data import batch_targets
     from praisonai_accel.flops import attended_keys, flop_counts
 
     rank = int(os.environ.get("RANK", 0))
@@ -98,8 +99,8 @@ def main() -> None:
     def counting_collator(features):
         batch = collate(features)
         mask = batch["attention_mask"] if "attention_mask" in batch else (batch["input_ids"] != tokenizer.pad_token_id)
-        tokens, targets = int(mask.sum()), int((batch["labels"][:, 1:] != -100).sum())
-        attended = attended_keys(mask, batch.get("position_ids"))
+        tokens, targets = int(mask.sum()), batch_targets(batch)
+        attended = int(attended_keys(mask, batch.get("position_ids")))
         log.write(json.dumps({"tokens": tokens, "positions": int(mask.numel()), "examples": len(features),
                               "targets": targets, "model_flops": counts.step(tokens, attended, targets),
                               "time": time.time()}) + "\n")

@@ -450,7 +450,10 @@ def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cach
     """Tokenize once and keep the result, with its statistics, on disk; later runs and other ranks load it.
 
     Returns (TokenizedDataset, stats, from_cache)."""
-    target = Path(cache_root) / cache_key(specs, tokenizer, config)
+    return _load_or_build_at(Path(cache_root) / cache_key(specs, tokenizer, config), specs, tokenizer, config)
+
+
+def _load_or_build_at(target: Path, specs: list[DatasetSpec], tokenizer, config: TrainConfig):
     if TokenizedDataset.exists(target) and (target / STATS_FILE).exists():
         return TokenizedDataset.load(target), DataStats.load(target / STATS_FILE), True
     data, stats = tokenize_dataset(specs, tokenizer, config)
@@ -476,9 +479,10 @@ def cache_dir(config: TrainConfig) -> Path:
 def load_datasets(config: TrainConfig, tokenizer):
     """The tokenized training set, its statistics, whether it came from the cache, and the eval set (or None):
     what training, `preprocess` and `preview` all read, from one cache."""
-    train, stats, cached = load_or_build(config.dataset, tokenizer, config, cache_dir(config))
-    evaluation = load_or_build(config.eval_dataset, tokenizer, config, cache_dir(config))[0] if config.eval_dataset else None
-    remember_inputs(config, tokenizer)
+    entries = cache_entries(config, tokenizer)  # keying hashes the whole vocabulary: once per entry
+    train, stats, cached = _load_or_build_at(entries[0], config.dataset, tokenizer, config)
+    evaluation = _load_or_build_at(entries[1], config.eval_dataset, tokenizer, config)[0] if len(entries) > 1 else None
+    remember_inputs(config, entries)
     return train, stats, cached, evaluation
 
 
@@ -522,16 +526,16 @@ def inputs_key(config: TrainConfig) -> str | None:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def remember_inputs(config: TrainConfig, tokenizer) -> None:
+def remember_inputs(config: TrainConfig, entries: list[Path]) -> None:
+    """Index the cache entries of this config (from cache_entries) by inputs_key."""
     key = inputs_key(config)
     if key is None:
         return
     index = cache_dir(config) / INPUTS_INDEX / f"{key}.json"
-    entries = [entry.name for entry in cache_entries(config, tokenizer)]
     try:
         index.parent.mkdir(parents=True, exist_ok=True)
         tmp = index.with_name(f"{index.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"entries": entries}))
+        tmp.write_text(json.dumps({"entries": [entry.name for entry in entries]}))
         os.replace(tmp, index)
     except OSError:
         pass  # a read-only cache only loses the shortcut

@@ -27,9 +27,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from praisonai_accel.accelerate_config import build_accelerate_config, write_yaml_atomic  # noqa: E402
+from praisonai_accel.launcher.accelerate_config import build_accelerate_config, write_yaml_atomic  # noqa: E402
 from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
-from praisonai_accel.launch import free_port  # noqa: E402
+from praisonai_accel.launcher.local import free_port  # noqa: E402
 
 TARGETS = {"step_time_ratio": 0.9, "padding_fraction": 0.05, "help_seconds": 0.5, "cached_preprocess_ratio": 0.10,
            # realistic case (128k vocabulary, 512-token rows, no packing): ahead of every peer, not only of TRL

@@ -45,7 +45,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from praisonai_accel.data import batch_targets
-    from praisonai_accel.flops import attended_keys, flop_counts
+    from praisonai_accel.worker.flops import attended_keys, flop_counts
 
     rank = int(os.environ.get("RANK", 0))
     out = Path(args.out)

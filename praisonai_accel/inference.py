@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .output_dirs import NotOurs, check_replaceable, read_marker, replace_with
+from .publish.output_dirs import NotOurs, check_replaceable, read_marker, replace_with
 
 
 class ModelDirError(Exception):

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from .metrics import read_metrics
+from .worker import checkpoint as ckpt
+from .worker.metrics import read_metrics
 
 log = logging.getLogger("praisonai_accel")
 PLOT_NAME = "loss.png"

@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_path = log_to_file(config.output_path(), env.rank)
     where = f" (full log: {log_path})" if log_path else ""
-    from .preflight import PreflightError
-    from .trainer import DiskFull, Preempted, train
+    from .worker.preflight import PreflightError
+    from .worker.recipe import DiskFull, Preempted, train
 
     try:
         publisher = _hub_publisher(config, env)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 def _hub_publisher(config, env: DistEnv):
     if not config.push_to_hub or env.rank != 0:
         return None
-    from .hub import HubPublisher
+    from .publish.hub import HubPublisher
 
     return HubPublisher(config)
 
@@ -202,7 +202,7 @@ def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
     """Wait for Hub uploads, then create the Ollama model; returns one line per failure."""
     problems = publisher.wait() if publisher is not None else []
     if config.ollama_model:
-        from .ollama_publish import publish
+        from .publish.ollama import publish
 
         try:
             modelfile = publish(final_dir, config.ollama_model, ollama_base=config.ollama_base, push=config.ollama_push,

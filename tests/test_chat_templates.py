@@ -9,7 +9,7 @@ from trl.chat_template_utils import supports_tool_calling
 from praisonai_accel.chat_masking import (
     IGNORE_INDEX, METHOD_SPANS, METHOD_TWIN, MaskingReport, check_masking, encode_conversation, plan_masking, render,
 )
-from praisonai_accel.ollama_template import derive
+from praisonai_accel.publish.ollama_template import derive
 
 from chat_families import original_templates, template_text, tokenizer_for, twin_of
 from conftest import PHI3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from praisonai_accel.flops import FlopCounts, attended_keys, examples_in, flop_counts
+from praisonai_accel.worker.flops import FlopCounts, attended_keys, examples_in, flop_counts
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 512
 HEAD_DIM = HIDDEN // HEADS

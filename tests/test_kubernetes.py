@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from praisonai_accel.config import ConfigError, parse_config
-from praisonai_accel.kubernetes import KubernetesJob, check_job, manifest, pod_command
+from praisonai_accel.launcher.kubernetes import KubernetesJob, check_job, manifest, pod_command
 
 from conftest import cli, cpu_env
 

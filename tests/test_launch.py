@@ -11,10 +11,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from praisonai_accel.accelerate_config import build_accelerate_config, write_yaml_atomic
+from praisonai_accel.launcher.accelerate_config import build_accelerate_config, write_yaml_atomic
 from praisonai_accel.cli import app
 from praisonai_accel.config import parse_config
-from praisonai_accel.launch import LaunchError, Nodes, free_port, launch, parse_gpus, plan_launch
+from praisonai_accel.launcher.local import LaunchError, Nodes, free_port, launch, parse_gpus, plan_launch
 
 from conftest import REPO, cli, run, write_config
 
@@ -258,7 +258,7 @@ def test_a_worker_ended_by_a_signal_is_explained_in_one_line():
     import io
     import signal as signals
 
-    from praisonai_accel.launch import LauncherOutput, describe_worker_death
+    from praisonai_accel.launcher.local import LauncherOutput, describe_worker_death
 
     relay = LauncherOutput(io.StringIO())
     for line in TORCHRUN_REPORT.splitlines(keepends=True):

@@ -12,7 +12,7 @@ import torch
 
 from praisonai_accel import loss as loss_module
 from praisonai_accel.data import PadCollator
-from praisonai_accel.loss import CausalLMLoss, chunked_loss_sum, verify_head
+from praisonai_accel.methods.lm_loss import CausalLMLoss, chunked_loss_sum, verify_head
 from praisonai_accel.packing import PackedDataset, best_fit_decreasing
 from praisonai_accel.tokenized import TokenizedDataset
 

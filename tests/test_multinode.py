@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from praisonai_accel.launch import free_port
+from praisonai_accel.launcher.local import free_port
 
 from conftest import cli, cpu_env, load_adapter, read_summary, write_config
 from test_checkpoint import wait_for_step
@@ -158,7 +158,7 @@ def test_output_dir_not_shared_between_nodes_is_one_line(tmp_path, tiny_model, a
 def trainjob_pods(config: Path) -> list[subprocess.Popen]:
     """Two "pods" of a TrainJob on localhost: the manifest's own pod command, with the PET_* variables the
     torch-distributed runtime gives each pod (and nothing on the command line about the rendezvous)."""
-    from praisonai_accel.kubernetes import KubernetesJob, pod_command
+    from praisonai_accel.launcher.kubernetes import KubernetesJob, pod_command
 
     command = pod_command(KubernetesJob(config_path=str(config), image="x", nodes=2, gpus_per_node=1, cpu=True,
                                         pvc="shared"))

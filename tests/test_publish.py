@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from praisonai_accel.config import parse_config
-from praisonai_accel.hub import HubPublisher, model_card
-from praisonai_accel.ollama_publish import recipe_for
+from praisonai_accel.publish.hub import HubPublisher, model_card
+from praisonai_accel.publish.ollama import recipe_for
 
 from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
 from fake_servers import FakeHub, FakeOllama

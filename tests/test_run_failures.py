@@ -10,7 +10,7 @@ import sys
 import time
 
 from praisonai_accel import checkpoint as ckpt
-from praisonai_accel.launch import free_port
+from praisonai_accel.launcher.local import free_port
 
 from conftest import cli, fault_env, read_summary, run, write_config
 from test_checkpoint import TWO, assert_same_run, wait_for_step
@@ -105,7 +105,7 @@ def test_reentrant_checkpointing_refuses_parameters_that_get_no_gradient(tiny_mo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.methods.lm_loss import CausalLMLoss
     from praisonai_accel.model import parameters_without_gradient
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
@@ -150,7 +150,7 @@ def test_preflight_warns_of_a_small_dev_shm_and_of_too_little_ram_and_disk(tmp_p
     import os
 
     from praisonai_accel.config import parse_config
-    from praisonai_accel.preflight import local_weight_bytes, resource_warnings
+    from praisonai_accel.worker.preflight import local_weight_bytes, resource_warnings
 
     class SmallShm:
         f_frsize, f_blocks = 4096, 16384  # 64 MiB, Docker's default

@@ -72,7 +72,7 @@ def check_checkpointing(config, num_processes: int) -> None:
 
 def check_resume(config, num_processes: int) -> str:
     """Refuse a resume that the training module would refuse, before any process starts; describe the start."""
-    from .. import checkpoint as ckpt
+    from ..worker import checkpoint as ckpt
     from ..config import ConfigError
 
     try:
@@ -90,7 +90,7 @@ def check_resume(config, num_processes: int) -> str:
 def check_final_model_dir(config) -> None:
     """The final save may replace only an earlier final model of ours: refuse anything else before launch."""
     from ..config import ConfigError
-    from ..output_dirs import check_replaceable
+    from ..publish.output_dirs import check_replaceable
 
     try:
         check_replaceable(config.final_model_path(), "final_model_dir")
@@ -103,7 +103,7 @@ def check_hub_access(config) -> None:
     if not config.push_to_hub:
         return
     from ..config import ConfigError
-    from ..hub import check_hub_access as check
+    from ..publish.hub import check_hub_access as check
 
     try:
         check(config)
@@ -112,7 +112,7 @@ def check_hub_access(config) -> None:
 
 
 def check_not_deepspeed(accelerate_config: Path) -> None:
-    from ..accelerate_config import read_accelerate_config
+    from ..launcher.accelerate_config import read_accelerate_config
     from ..config import DEEPSPEED_REFUSED
 
     try:

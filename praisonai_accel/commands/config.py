@@ -16,9 +16,9 @@ def config_command(
     force: bool = typer.Option(False, "--force", help="overwrite an existing file"),
 ) -> None:
     """Write an accelerate config for this machine's GPUs (use it with `train --accelerate-config`)."""
-    from ..accelerate_config import build_accelerate_config, write_yaml_atomic
+    from ..launcher.accelerate_config import build_accelerate_config, write_yaml_atomic
     from ..distributed import resolve_mixed_precision
-    from ..launch import LaunchError, parse_gpus
+    from ..launcher.local import LaunchError, parse_gpus
 
     if mixed_precision not in ("auto", "no", "fp16", "bf16"):
         fail(f"--mixed-precision: expected auto, no, fp16 or bf16, got '{mixed_precision}'")

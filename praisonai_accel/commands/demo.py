@@ -21,7 +21,7 @@ def demo_command(
 
     from ..config import parse_config
     from ..demo import demo_config, make_tiny_model, task_records, write_jsonl
-    from ..launch import launch, plan_launch
+    from ..launcher.local import launch, plan_launch
 
     model_dir = directory / "tiny-llama"
     if not (model_dir / "config.json").exists():

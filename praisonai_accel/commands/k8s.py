@@ -26,7 +26,7 @@ def k8s_command(
 ) -> None:
     """Print a manifest for kubectl apply -f -: one `praisonai-accel train` launcher per pod."""
     from ..config import ConfigError
-    from ..kubernetes import KubernetesJob, check_job, render
+    from ..launcher.kubernetes import KubernetesJob, check_job, render
 
     cfg = load_config_or_fail(config)
     job = KubernetesJob(config_path=str(config), image=image, nodes=nodes, gpus_per_node=gpus_per_node, kind=kind,

@@ -24,7 +24,7 @@ def ollama_command(
     """Write a Modelfile next to the model and create it on the Ollama server."""
     from ..errors import first_line
     from ..inference import resolve_model_dir
-    from ..ollama_publish import publish
+    from ..publish.ollama import publish
 
     show_progress_lines()
     try:

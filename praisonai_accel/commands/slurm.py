@@ -23,7 +23,7 @@ def slurm_command(
 ) -> None:
     """Print an sbatch script: preprocessing once, one srun task per node, c10d rendezvous, requeue on preemption."""
     from ..config import ConfigError
-    from ..slurm import slurm_script
+    from ..launcher.slurm import slurm_script
 
     cfg = load_config_or_fail(config)
     check_local_inputs(cfg)

@@ -16,7 +16,7 @@ from ._common import (
 
 
 def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[int], available_gpus) -> tuple[int, Optional[list[int]]]:
-    from ..launch import parse_gpus
+    from ..launcher.local import parse_gpus
 
     if cpu:
         if gpus is not None:
@@ -47,7 +47,7 @@ def rendezvous_from_environment(environ=None) -> Optional[tuple[int, int, str, i
 
 def resolve_nodes(nnodes: int, node_rank: Optional[int], main_addr: Optional[str], main_port: Optional[int],
                   rdzv_endpoint: Optional[str]):
-    from ..launch import Nodes
+    from ..launcher.local import Nodes
 
     from_pods = rendezvous_from_environment()
     if from_pods and from_pods[0] > 1 and nnodes == 1 and node_rank is None and not main_addr and not rdzv_endpoint:
@@ -75,7 +75,7 @@ def memory_note(config, processes_here: int, fsdp: bool = False) -> str:
     """What the processes of this machine hold in host memory, for a worker the out-of-memory killer ended."""
     import os
 
-    from ..preflight import local_weight_bytes
+    from ..worker.preflight import local_weight_bytes
 
     weights = local_weight_bytes(config.model_name)
     try:
@@ -109,7 +109,7 @@ def train_command(
 ) -> None:
     """Fine-tune a model as described by CONFIG."""
     from ..distributed import VERBOSE_ENV, resolve_mixed_precision
-    from ..launch import MEMORY_NOTE_ENV, LaunchError, launch, plan_launch
+    from ..launcher.local import MEMORY_NOTE_ENV, LaunchError, launch, plan_launch
 
     cfg = load_config_or_fail(config)
     check_local_inputs(cfg)
@@ -171,7 +171,7 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
                  gpus: Optional[str], nnodes: int, fsdp: bool, accelerate_config: Optional[Path], dry_run: bool) -> None:
     """--ray: the same checks, the data tokenized here, then Ray Train's workers run the training module."""
     from ..config import ConfigError
-    from ..ray_engine import import_ray, run_with_ray
+    from ..launcher.ray import import_ray, run_with_ray
 
     if gpus is not None or nnodes > 1 or fsdp or accelerate_config is not None:
         fail("--ray places the workers itself: use --num-workers (and --address for a cluster) instead of --gpus, "

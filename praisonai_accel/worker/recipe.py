@@ -27,22 +27,22 @@ from pathlib import Path
 from typing import Iterator
 
 from . import checkpoint as ckpt
-from .config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
-from .data import (
+from ..config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
+from ..data import (
     PREPROCESSING_ENV, LengthGroupedSampler, PadCollator, batch_targets, cache_dir, ensure_chat_template, load_datasets,
     quiet_datasets, report_stats, wait_for_cache, wait_for_launcher,
 )
-from .distributed import VERBOSE_ENV, DistEnv, attempt_id, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
-from .errors import first_line
+from ..distributed import VERBOSE_ENV, DistEnv, attempt_id, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
+from ..errors import first_line
 from .evaluation import evaluate, record_evaluation
 from .flops import attended_keys, examples_in, flop_counts
-from .hub import model_card
+from ..publish.hub import model_card
 from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
-from .model import (
+from ..model import (
     choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
     uses_reentrant_checkpointing,
 )
-from .output_dirs import NotOurs, check_replaceable, replace_with
+from ..publish.output_dirs import NotOurs, check_replaceable, replace_with
 from .preflight import run_preflight
 from .sharded_state import parameter_bytes, reshard
 from .watchdog import Watchdog
@@ -412,7 +412,7 @@ class Recipe:
         import torch
         from torch.utils.data import DataLoader
 
-        from .packing import PackedDataset
+        from ..packing import PackedDataset
 
         config = self.config
         common = {"batch_size": config.per_device_train_batch_size, "collate_fn": PadCollator(self.tokenizer.pad_token_id)}
@@ -428,7 +428,7 @@ class Recipe:
         return DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(config.seed), **common)
 
     def _loss_module(self, model, use_cuda: bool):
-        from .loss import CausalLMLoss, load_liger, verify_head, wraps_head
+        from ..methods.lm_loss import CausalLMLoss, load_liger, verify_head, wraps_head
 
         config = self.config
         module = CausalLMLoss(model, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
@@ -763,7 +763,7 @@ class Recipe:
             if not summary["weights_in_sync"]:
                 log.warning("ranks finished with different weights: %s", digests)
             if config.plot_loss:
-                from .report import write_loss_plot
+                from ..report import write_loss_plot
 
                 plot = write_loss_plot(self.output_dir)
                 if plot is not None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chat_masking import IGNORE_INDEX
+from ..chat_masking import IGNORE_INDEX
 
 log = logging.getLogger("praisonai_accel")
 
@@ -316,7 +316,7 @@ def verify_head(module: CausalLMLoss, token_ids: list[int], device) -> bool:
 
 def load_liger(requested, use_cuda: bool):
     """liger-kernel's fused linear cross-entropy, when asked for (true) or available with a GPU (auto)."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     if requested is False:
         return None

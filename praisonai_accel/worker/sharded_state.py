@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 OPTIMIZER_GROUPS_FILE = "optimizer_groups.json"  # the optimizer's hyperparameters
 

@@ -27,7 +27,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 from .sharded_state import load_sharded_state, reshard, save_sharded_state
 
 log = logging.getLogger("praisonai_accel")

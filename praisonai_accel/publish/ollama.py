@@ -45,7 +45,7 @@ class OllamaRecipe:
 
 def go_template(tokenizer) -> str | None:
     """Ollama's TEMPLATE for this tokenizer's chat template, or None when none reproduces it (said in one line)."""
-    from .chat_masking import template_name
+    from ..chat_masking import template_name
     from .ollama_template import derive
 
     derived = derive(tokenizer)
@@ -108,7 +108,7 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
         )
     architecture = _architecture(base_dir)
     if architecture not in ADAPTER_ARCHITECTURES:
-        from .inference import merge_adapter
+        from ..inference import merge_adapter
 
         # replaces only an earlier merge of ours: a folder of the user's at that path is refused, never deleted
         merged = merge_adapter(source, source.with_name(source.name + "-merged"), trust_remote_code=trust_remote_code)

@@ -18,8 +18,8 @@ import socket
 from importlib import metadata
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig
-from .distributed import attempt_id
+from ..config import ConfigError, TrainConfig
+from ..distributed import attempt_id
 
 log = logging.getLogger("praisonai_accel")
 

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .config import CONTROL_CHARACTERS, ConfigError, TrainConfig
+from ..config import CONTROL_CHARACTERS, ConfigError, TrainConfig
 
 
 def sbatch_quote(value: str) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .distributed import TTY_ENV
+from ..distributed import TTY_ENV
 
 log = logging.getLogger("praisonai_accel")
 _NOT_SHOWN = ("step", "time", "tokens", "positions", "targets", "examples", "model_flops")

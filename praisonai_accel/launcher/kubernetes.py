@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from .config import CONTROL_CHARACTERS, ConfigError, TrainConfig
+from ..config import CONTROL_CHARACTERS, ConfigError, TrainConfig
 
 KINDS = ("trainjob", "pytorchjob")
 RUNTIME = "torch-distributed"

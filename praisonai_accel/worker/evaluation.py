@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 def evaluate(accelerator, loss_module, eval_data, collate, batch_size: int) -> float:
@@ -16,8 +16,8 @@ def evaluate(accelerator, loss_module, eval_data, collate, batch_size: int) -> f
     import numpy as np
     import torch
 
-    from .chat_masking import IGNORE_INDEX
-    from .data import batch_targets
+    from ..chat_masking import IGNORE_INDEX
+    from ..data import batch_targets
 
     rank, world = accelerator.process_index, accelerator.num_processes
     shard = list(range(rank, len(eval_data), world))

@@ -14,9 +14,9 @@ import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from . import __version__
-from .config import ConfigError, TrainConfig
-from .errors import first_line
+from .. import __version__
+from ..config import ConfigError, TrainConfig
+from ..errors import first_line
 from .output_dirs import MARKER as OUTPUT_MARKER
 
 log = logging.getLogger("praisonai_accel")

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .accelerate_config import build_accelerate_config, read_accelerate_config, total_processes, write_yaml_atomic
-from .config import TrainConfig
-from .distributed import TTY_ENV, VERBOSE_ENV
+from ..config import TrainConfig
+from ..distributed import TTY_ENV, VERBOSE_ENV
 
 TRAIN_MODULE = "praisonai_accel.train"
 
@@ -186,7 +186,7 @@ def write_plan_files(plan: LaunchPlan) -> None:
 
 
 def _kill_with_parent() -> None:
-    from .distributed import die_with_parent
+    from ..distributed import die_with_parent
 
     die_with_parent()
 

@@ -27,7 +27,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from praisonai_accel.launcher.accelerate_config import build_accelerate_config, write_yaml_atomic  # noqa: E402
+from praisonai_accel.atomic import write_yaml_atomic  # noqa: E402
+from praisonai_accel.launcher.accelerate_config import build_accelerate_config  # noqa: E402
 from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
 from praisonai_accel.launcher.local import free_port  # noqa: E402
 

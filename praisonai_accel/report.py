@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import atomic_path
 from .worker import checkpoint as ckpt
 from .worker.metrics import read_metrics
 
@@ -123,7 +124,6 @@ def write_loss_plot(output_dir: Path) -> Path | None:
     loss_axis.set_title(output_dir.resolve().name)
     figure.tight_layout()
     target = output_dir / PLOT_NAME
-    tmp = output_dir / f".{PLOT_NAME}.tmp.png"
-    figure.savefig(tmp)
-    os.replace(tmp, target)
+    with atomic_path(target, suffix=".png") as tmp:
+        figure.savefig(tmp)
     return target

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from praisonai_accel.launcher.accelerate_config import build_accelerate_config, write_yaml_atomic
+from praisonai_accel.atomic import write_yaml_atomic
+from praisonai_accel.launcher.accelerate_config import build_accelerate_config
 from praisonai_accel.cli import app
 from praisonai_accel.config import parse_config
 from praisonai_accel.launcher.local import LaunchError, Nodes, free_port, launch, parse_gpus, plan_launch

@@ -16,7 +16,8 @@ def config_command(
     force: bool = typer.Option(False, "--force", help="overwrite an existing file"),
 ) -> None:
     """Write an accelerate config for this machine's GPUs (use it with `train --accelerate-config`)."""
-    from ..launcher.accelerate_config import build_accelerate_config, write_yaml_atomic
+    from ..atomic import write_yaml_atomic
+    from ..launcher.accelerate_config import build_accelerate_config
     from ..distributed import resolve_mixed_precision
     from ..launcher.local import LaunchError, parse_gpus
 

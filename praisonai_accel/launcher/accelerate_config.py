@@ -5,12 +5,9 @@ Written with yaml.safe_dump so values such as 'no' stay strings (a bare `no` rea
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import yaml
-
 
 FSDP2_CONFIG = {
     "fsdp_version": 2,
@@ -58,15 +55,6 @@ def build_accelerate_config(num_processes: int, mixed_precision: str = "no", gpu
         config["fsdp_config"] = dict(FSDP2_CONFIG)
     return config
 
-
-def write_yaml_atomic(data: dict, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        yaml.safe_dump(data, handle, sort_keys=True)
-    os.replace(tmp, path)
-    return path
 
 
 def read_accelerate_config(path: Path) -> dict:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .accelerate_config import build_accelerate_config, read_accelerate_config, total_processes, write_yaml_atomic
+from ..atomic import write_yaml_atomic
+from .accelerate_config import build_accelerate_config, read_accelerate_config, total_processes
 from ..config import TrainConfig
 from ..distributed import TTY_ENV, VERBOSE_ENV
 

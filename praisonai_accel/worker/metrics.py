@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +17,6 @@ log = logging.getLogger("praisonai_accel")
 _NOT_SHOWN = ("step", "time", "tokens", "positions", "targets", "examples", "model_flops")
 TRACKED = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_second", "step_seconds", "padding_fraction",
            "model_tflops_per_second")
-
-
-def write_json_atomic(data: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2)
-    os.replace(tmp, path)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -37,7 +37,8 @@ from ..errors import first_line
 from .evaluation import evaluate, record_evaluation
 from .flops import attended_keys, examples_in, flop_counts
 from ..publish.hub import model_card
-from .metrics import MetricsLogger, StepResult, Window, read_metrics, write_json_atomic
+from ..atomic import write_json_atomic
+from .metrics import MetricsLogger, StepResult, Window, read_metrics
 from ..model import (
     choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
     uses_reentrant_checkpointing,

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from praisonai_accel.atomic import write_yaml_atomic  # noqa: E402
 from praisonai_accel.launcher.accelerate_config import build_accelerate_config  # noqa: E402
 from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
-from praisonai_accel.launcher.local import free_port  # noqa: E402
+from praisonai_accel.launcher.plan import free_port  # noqa: E402
 
 TARGETS = {"step_time_ratio": 0.9, "padding_fraction": 0.05, "help_seconds": 0.5, "cached_preprocess_ratio": 0.10,
            # realistic case (128k vocabulary, 512-token rows, no packing): ahead of every peer, not only of TRL

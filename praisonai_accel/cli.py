@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from .commands._common import one_line_errors
 from .commands.chat import chat_command, generate_command
 from .commands.config import config_command
 from .commands.demo import demo_command
@@ -24,18 +25,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("train")(train_command)
-app.command("preview")(preview_command)
-app.command("preprocess")(preprocess_command)
-app.command("report")(report_command)
-app.command("slurm")(slurm_command)
-app.command("k8s")(k8s_command)
-app.command("config")(config_command)
-app.command("env")(env_command)
-app.command("demo")(demo_command)
-app.command("merge")(merge_command)
-app.command("chat")(chat_command)
-app.command("generate")(generate_command)
+app.command("train")(one_line_errors(train_command))
+app.command("preview")(one_line_errors(preview_command))
+app.command("preprocess")(one_line_errors(preprocess_command))
+app.command("report")(one_line_errors(report_command))
+app.command("slurm")(one_line_errors(slurm_command))
+app.command("k8s")(one_line_errors(k8s_command))
+app.command("config")(one_line_errors(config_command))
+app.command("env")(one_line_errors(env_command))
+app.command("demo")(one_line_errors(demo_command))
+app.command("merge")(one_line_errors(merge_command))
+app.command("chat")(one_line_errors(chat_command))
+app.command("generate")(one_line_errors(generate_command))
 app.add_typer(publish_app, name="publish")
 
 

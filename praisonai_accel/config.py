@@ -16,6 +16,8 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
+
 # Local data files by extension, and the datasets loader that reads them (checked by the CLI before launch).
 LOCAL_DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -44,10 +46,6 @@ DEEPSPEED_REFUSED = ("DeepSpeed is not supported: its engine would step the opti
                      "loop's gradient accumulation; shard the model with --fsdp (FSDP2) instead")
 # Control characters in a path or name end a line of a generated script or manifest: never accepted.
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
-
-
-class ConfigError(Exception):
-    """A config problem, already phrased as one line for the user."""
 
 
 class _Strict(BaseModel):

@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .config import MULTI_DEVICE_MAPS, ConfigError
+from .checks import device_map_rule
+from .config import ConfigError
 
 UNSLOTH_DDP_FLAG = "UNSLOTH_USE_NEW_MODEL"
 VERBOSE_ENV = "PRAISONAI_ACCEL_VERBOSE"  # train --verbose: libraries' own output is shown
@@ -67,11 +68,7 @@ def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool, shard
             raise ConfigError("device_map: under FSDP every rank holds a shard of the model; remove device_map")
         return None
     if env.is_distributed:
-        if isinstance(requested, str) and requested in MULTI_DEVICE_MAPS:
-            raise ConfigError(
-                f"device_map: '{requested}' spreads one model over several GPUs and cannot be used with "
-                f"{env.world_size} DDP processes; remove device_map to load the full model on each rank's GPU"
-            )
+        device_map_rule(requested, env.world_size)
         if requested not in (None, "cuda", "cpu"):
             raise ConfigError("device_map: under DDP each rank loads the whole model on its own device; remove device_map")
         if requested == "cpu" or not cuda_available:

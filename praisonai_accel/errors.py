@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class ConfigError(Exception):
+    """A config problem (or any bad input the user can fix), already phrased as one line for the user."""
+
+
 def first_line(exc: BaseException, default: str | None = None) -> str:
     """The first non-empty line of an exception's message, for one-line errors (the type name if it has none)."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]

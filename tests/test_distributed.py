@@ -178,7 +178,7 @@ def test_bf16_only_from_compute_capability_8_and_every_dtype_agrees(monkeypatch,
 
 def test_packing_is_turned_off_under_unsloth_with_one_warning(caplog):
     from praisonai_accel.model import Backend
-    from praisonai_accel.worker.recipe import packing_for
+    from praisonai_accel.worker.inputs import packing_for
 
     config = parse_config({"model_name": "m", "dataset": "d", "packing": True})
     with caplog.at_level("WARNING", logger="praisonai_accel"):

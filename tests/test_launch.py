@@ -15,7 +15,8 @@ from praisonai_accel.atomic import write_yaml_atomic
 from praisonai_accel.launcher.accelerate_config import build_accelerate_config
 from praisonai_accel.cli import app
 from praisonai_accel.config import parse_config
-from praisonai_accel.launcher.local import LaunchError, Nodes, free_port, launch, parse_gpus, plan_launch
+from praisonai_accel.launcher.local import launch
+from praisonai_accel.launcher.plan import LaunchError, Nodes, free_port, parse_gpus, plan_launch
 
 from conftest import REPO, cli, run, write_config
 
@@ -145,10 +146,11 @@ def test_asking_for_more_gpus_than_exist_is_a_clear_error(tmp_path, tiny_model, 
 
 
 def test_config_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch):
-    from praisonai_accel.commands import config as config_module
+    from praisonai_accel import distributed
+    from praisonai_accel.launcher import plan
 
-    monkeypatch.setattr(config_module, "count_cuda_gpus", lambda: 4)  # a machine with 4 GPUs, bf16-capable
-    monkeypatch.setattr(config_module, "bf16_supported", lambda: True)
+    monkeypatch.setattr(plan, "count_cuda_gpus", lambda: 4)  # a machine with 4 GPUs, bf16-capable
+    monkeypatch.setattr(distributed, "gpu_has_bf16", lambda: True)
     target = tmp_path / "acc.yaml"
     result = CliRunner().invoke(app, ["config", "--gpus", "0,2", "--output", str(target)])
     assert result.exit_code == 0, result.output
@@ -158,7 +160,7 @@ def test_config_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "already exists" in result.output and target.read_text() == "keep me\n"
     result = CliRunner().invoke(app, ["config", "--gpus", "all", "--mixed-precision", "fp16", "--output", str(target), "--force"])
     assert result.exit_code == 0 and yaml.safe_load(target.read_text()) == build_accelerate_config(4, "fp16", "all")
-    monkeypatch.setattr(config_module, "count_cuda_gpus", lambda: 0)
+    monkeypatch.setattr(plan, "count_cuda_gpus", lambda: 0)
     result = CliRunner().invoke(app, ["config", "--gpus", "all", "--output", str(tmp_path / "x.yaml")])
     assert result.exit_code == 2 and "no CUDA GPU is visible" in result.output
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from praisonai_accel.launcher.local import free_port
+from praisonai_accel.launcher.plan import free_port
 
 from conftest import cli, cpu_env, load_adapter, read_summary, write_config
 from test_checkpoint import wait_for_step

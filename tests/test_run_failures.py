@@ -10,7 +10,7 @@ import sys
 import time
 
 from praisonai_accel import checkpoint as ckpt
-from praisonai_accel.launcher.local import free_port
+from praisonai_accel.launcher.plan import free_port
 
 from conftest import cli, fault_env, read_summary, run, write_config
 from test_checkpoint import TWO, assert_same_run, wait_for_step

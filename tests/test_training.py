@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from praisonai_accel.launcher.local import free_port
+from praisonai_accel.launcher.plan import free_port
 
 from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, run, write_config
 

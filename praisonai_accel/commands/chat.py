@@ -9,7 +9,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import first_line
-from ._common import fail, show_progress_lines
+from ..logs import show_progress_lines
+from ._common import fail
 
 
 def _load(path: Path, trust_remote_code: bool):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._common import bf16_supported, count_cuda_gpus, fail
+from ._common import fail
 
 
 def config_command(
@@ -17,19 +17,16 @@ def config_command(
 ) -> None:
     """Write an accelerate config for this machine's GPUs (use it with `train --accelerate-config`)."""
     from ..atomic import write_yaml_atomic
+    from ..distributed import gpu_has_bf16, resolve_mixed_precision
     from ..launcher.accelerate_config import build_accelerate_config
-    from ..distributed import resolve_mixed_precision
-    from ..launcher.local import LaunchError, parse_gpus
+    from ..launcher.plan import count_cuda_gpus, parse_gpus
 
     if mixed_precision not in ("auto", "no", "fp16", "bf16"):
         fail(f"--mixed-precision: expected auto, no, fp16 or bf16, got '{mixed_precision}'")
     if output.exists() and not force:
         fail(f"{output} already exists; pass --force to overwrite it")
-    try:
-        count, ids = parse_gpus(gpus, count_cuda_gpus())
-    except LaunchError as exc:
-        fail(str(exc))
-    precision = resolve_mixed_precision(mixed_precision, True, bf16_supported())
+    count, ids = parse_gpus(gpus, count_cuda_gpus())
+    precision = resolve_mixed_precision(mixed_precision, True, gpu_has_bf16())
     gpu_ids = ",".join(map(str, ids)) if ids is not None else "all"
     write_yaml_atomic(build_accelerate_config(count, precision, gpu_ids), output)
     typer.echo(f"wrote {output} ({count} process(es), mixed precision {precision})")

@@ -21,7 +21,8 @@ def demo_command(
 
     from ..config import parse_config
     from ..demo import demo_config, make_tiny_model, task_records, write_jsonl
-    from ..launcher.local import launch, plan_launch
+    from ..launcher.local import launch
+    from ..launcher.plan import plan_launch
 
     model_dir = directory / "tiny-llama"
     if not (model_dir / "config.json").exists():

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import fail, load_config_or_fail
+from ..config import load_config
 
 
 def k8s_command(
@@ -25,16 +25,12 @@ def k8s_command(
     cpu: bool = typer.Option(False, "--cpu", help="CPU processes instead of GPUs (gloo), e.g. to try the manifest"),
 ) -> None:
     """Print a manifest for kubectl apply -f -: one `praisonai-accel train` launcher per pod."""
-    from ..config import ConfigError
     from ..launcher.kubernetes import KubernetesJob, check_job, render
 
-    cfg = load_config_or_fail(config)
+    cfg = load_config(config)
     job = KubernetesJob(config_path=str(config), image=image, nodes=nodes, gpus_per_node=gpus_per_node, kind=kind,
                         name=name, namespace=namespace, pvc=pvc, mount_path=mount_path, cpu=cpu,
                         max_restarts=max_restarts, hf_token_secret=hf_token_secret,
                         grace_seconds=cfg.preemption_grace_seconds + 30)
-    try:
-        check_job(job, cfg)
-    except ConfigError as exc:
-        fail(str(exc))
+    check_job(job, cfg)
     typer.echo(render(job), nl=False)

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import first_line
-from ._common import fail, show_progress_lines
+from ..logs import show_progress_lines
+from ._common import fail
 
 
 def merge_command(

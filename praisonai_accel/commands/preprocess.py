@@ -6,14 +6,16 @@ from pathlib import Path
 
 import typer
 
-from ._common import check_local_inputs, load_config_or_fail, tokenized_or_fail
+from ..config import load_config
+from ..launcher.prelaunch import check_local_inputs
+from ._common import tokenized_or_fail
 
 
 def preprocess_command(config: Path = typer.Argument(..., help="config.yaml")) -> None:
     """Tokenize the datasets into output_dir's cache (run it once before a multi-node job)."""
     from ..data import cache_dir
 
-    cfg = load_config_or_fail(config)
+    cfg = load_config(config)
     check_local_inputs(cfg)
     _tokenizer, data, stats, cached, evaluation = tokenized_or_fail(cfg)
     for d in stats.datasets:

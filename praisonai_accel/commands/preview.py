@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
-from ._common import check_local_inputs, load_config_or_fail, tokenized_or_fail
+from ..config import load_config
+from ..launcher.prelaunch import check_local_inputs
+from ._common import tokenized_or_fail
 
 
 def preview_command(
@@ -20,7 +22,7 @@ def preview_command(
     from ..chat_masking import IGNORE_INDEX
     from ..preview import dataset_rows, histogram, marked_text
 
-    cfg = load_config_or_fail(config)
+    cfg = load_config(config)
     check_local_inputs(cfg)
     tokenizer, data, stats, cached, _evaluation = tokenized_or_fail(cfg)
     colour = sys.stdout.isatty()

@@ -7,12 +7,14 @@ from typing import Optional
 
 import typer
 
-from ._common import fail, show_progress_lines
+from ..logs import show_progress_lines
+from ._common import fail, one_line_errors
 
 publish_app = typer.Typer(help="Publish a trained model.", no_args_is_help=True)
 
 
 @publish_app.command("ollama")
+@one_line_errors
 def ollama_command(
     path: Path = typer.Argument(..., help="adapter directory, merged model, or training output_dir"),
     name: str = typer.Option(..., "--name", help="Ollama model name, name:tag"),

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from ._common import check_local_inputs, fail, load_config_or_fail
+from ..config import load_config
+from ..launcher.prelaunch import check_local_inputs
 
 
 def slurm_command(
@@ -22,14 +23,10 @@ def slurm_command(
     cpu: bool = typer.Option(False, "--cpu", help="CPU processes instead of GPUs (gloo), e.g. to try the script"),
 ) -> None:
     """Print an sbatch script: preprocessing once, one srun task per node, c10d rendezvous, requeue on preemption."""
-    from ..config import ConfigError
     from ..launcher.slurm import slurm_script
 
-    cfg = load_config_or_fail(config)
+    cfg = load_config(config)
     check_local_inputs(cfg)
-    try:
-        script = slurm_script(config, cfg, nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time,
-                              account=account, job_name=job_name, cpu=cpu, signal_seconds=signal_seconds)
-    except ConfigError as exc:
-        fail(str(exc))
+    script = slurm_script(config, cfg, nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time,
+                          account=account, job_name=job_name, cpu=cpu, signal_seconds=signal_seconds)
     typer.echo(script, nl=False)

@@ -1,4 +1,4 @@
-"""praisonai-accel train CONFIG: validate, write the accelerate config, launch the training module."""
+"""praisonai-accel train CONFIG: check, plan, tokenize beside the starting workers, launch."""
 
 from __future__ import annotations
 
@@ -8,84 +8,24 @@ from typing import Optional
 import typer
 import yaml
 
+from ..checks import device_map_rule, final_model_dir_rule, reentrant_rule, resume_rule
+from ..config import load_config
 from ..errors import first_line
-from ._common import (
-    bf16_supported, check_checkpointing, check_device_map, check_final_model_dir, check_hub_access, check_local_inputs, check_resume,
-    check_not_deepspeed, check_trackers, count_cuda_gpus, fail, load_config_or_fail,
-)
+from ..launcher.prelaunch import check_accelerate_config, check_hub_access, check_local_inputs, check_trackers
+from ._common import fail
 
 
-def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[int], available_gpus) -> tuple[int, Optional[list[int]]]:
-    from ..launcher.local import parse_gpus
-
-    if cpu:
-        if gpus is not None:
-            fail("--cpu and --gpus cannot be used together")
-        return num_processes or 1, None
-    if gpus is None and num_processes is not None:
-        gpus = str(num_processes)  # --num-processes N without --cpu means N GPUs
-    if gpus is None:
-        return 1, None
-    return parse_gpus(gpus, available_gpus())
+def describe_start(config, num_processes: int) -> str:
+    start, _skip, _warning = resume_rule(config, num_processes)
+    return f"resume from {start}" if start is not None else "fresh start"
 
 
-def rendezvous_from_environment(environ=None) -> Optional[tuple[int, int, str, int]]:
-    """(nodes, node rank, main address, main port) from the variables a Kubeflow TrainJob gives its pods
-    (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT), or None when they are absent."""
-    import os
-
-    environ = os.environ if environ is None else environ
-    names = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
-    if not all(environ.get(name) for name in names):
-        return None
-    values = [environ[name] for name in names]
-    if not values[0].isdigit() or not values[1].isdigit() or not values[3].isdigit():
-        fail(f"PET_NNODES={values[0]}, PET_NODE_RANK={values[1]}, PET_MASTER_PORT={values[3]}: expected whole numbers "
-             "(a fixed node count: an elastic range such as 1:4 is not supported)")
-    return int(values[0]), int(values[1]), values[2], int(values[3])
-
-
-def resolve_nodes(nnodes: int, node_rank: Optional[int], main_addr: Optional[str], main_port: Optional[int],
-                  rdzv_endpoint: Optional[str]):
-    from ..launcher.local import Nodes
-
-    from_pods = rendezvous_from_environment()
-    if from_pods and from_pods[0] > 1 and nnodes == 1 and node_rank is None and not main_addr and not rdzv_endpoint:
-        nnodes, node_rank, main_addr, main_port = from_pods
-
-    if nnodes == 1:
-        if node_rank or main_addr or rdzv_endpoint:
-            fail("--node-rank, --main-addr and --rdzv-endpoint need --nnodes greater than 1")
-        return Nodes()
-    if rdzv_endpoint:
-        if node_rank is not None or main_addr:
-            fail("--rdzv-endpoint assigns ranks itself: leave out --node-rank and --main-addr")
-        host, _, port = rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            fail(f"--rdzv-endpoint {rdzv_endpoint}: expected HOST:PORT")
-        return Nodes(count=nnodes, rdzv_endpoint=rdzv_endpoint)
-    if node_rank is None or not main_addr:
-        fail(f"--nnodes {nnodes}: give --node-rank R and --main-addr HOST (static), or --rdzv-endpoint HOST:PORT (c10d)")
-    if not 0 <= node_rank < nnodes:
-        fail(f"--node-rank {node_rank}: must be between 0 and {nnodes - 1}")
-    return Nodes(count=nnodes, rank=node_rank, main_addr=main_addr, main_port=main_port)
-
-
-def memory_note(config, processes_here: int, fsdp: bool = False) -> str:
-    """What the processes of this machine hold in host memory, for a worker the out-of-memory killer ended."""
-    import os
-
-    from ..worker.preflight import local_weight_bytes
-
-    weights = local_weight_bytes(config.model_name)
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = 0
-    held = ("rank 0 loads the whole model before FSDP shards it" if fsdp else
-            f"each of the {processes_here} processes on this machine loads a full copy of the model")
-    held += f" ({weights / 2**30:.1f} GiB of weights)" if weights else ""
-    return held + (f" and it has {ram / 2**30:.1f} GiB of RAM" if ram else "")
+def check_before_launch(config, num_processes: int) -> str:
+    """The rules the worker checks again at setup; returns where the run starts."""
+    device_map_rule(config.device_map, num_processes)
+    reentrant_rule(config, num_processes)
+    final_model_dir_rule(config)
+    return describe_start(config, num_processes)
 
 
 def train_command(
@@ -108,39 +48,41 @@ def train_command(
     address: Optional[str] = typer.Option(None, "--address", help="a running Ray cluster's address, with --ray (default: a local one)"),
 ) -> None:
     """Fine-tune a model as described by CONFIG."""
-    from ..distributed import VERBOSE_ENV, resolve_mixed_precision
-    from ..launcher.local import MEMORY_NOTE_ENV, LaunchError, launch, plan_launch
+    import uuid
 
-    cfg = load_config_or_fail(config)
+    from ..distributed import gpu_has_bf16, resolve_mixed_precision
+    from ..handoff import worker_environment
+    from ..launcher.accelerate_config import read_accelerate_config, total_processes
+    from ..launcher.local import launch
+    from ..launcher.plan import count_cuda_gpus, memory_note, plan_launch, resolve_nodes, resolve_processes
+
+    cfg = load_config(config)
     check_local_inputs(cfg)
     check_trackers(cfg)
-    if accelerate_config is not None and not accelerate_config.is_file():
-        fail(f"--accelerate-config: no such file '{accelerate_config}'")
     if accelerate_config is not None:
-        check_not_deepspeed(accelerate_config)
+        check_accelerate_config(accelerate_config)
     if accelerate_config is not None and (nnodes > 1 or fsdp):
         fail("--accelerate-config is used as is: put the machines and FSDP settings in it instead of --nnodes/--fsdp")
     if ray:
         train_on_ray(config, cfg, num_workers, address, cpu, max_restarts, gpus, nnodes, fsdp, accelerate_config, dry_run)
     nodes = resolve_nodes(nnodes, node_rank, main_addr, main_port, rdzv_endpoint)
+    per_node, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
+    # Only a generated multi-GPU accelerate config records the precision; the training module decides anyway.
+    on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
+    precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and gpu_has_bf16())
+    status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
+    processes = (total_processes(read_accelerate_config(accelerate_config)) if accelerate_config is not None
+                 else per_node * nodes.count)
+    handoff = worker_environment(verbose=verbose, preprocessing_status=status,
+                                 memory_note=memory_note(cfg, per_node, fsdp) if processes > 1 and not dry_run else "")
     try:
-        per_node, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
-        # Only a generated multi-GPU accelerate config records the precision; the training module decides anyway.
-        on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
-        precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and bf16_supported())
         plan = plan_launch(config, cfg, num_processes=per_node, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
-                           accelerate_config_file=accelerate_config, nodes=nodes, max_restarts=max_restarts, fsdp=fsdp)
-    except (LaunchError, ValueError, OSError, yaml.YAMLError) as exc:
+                           accelerate_config_file=accelerate_config, nodes=nodes, max_restarts=max_restarts, fsdp=fsdp,
+                           worker_env=handoff)
+    except (ValueError, OSError, yaml.YAMLError) as exc:
         fail(first_line(exc))
-    if verbose:
-        plan.env[VERBOSE_ENV] = "1"
-    if plan.num_processes > 1 and not dry_run:
-        plan.env[MEMORY_NOTE_ENV] = memory_note(cfg, per_node, fsdp)
 
-    check_device_map(cfg, plan.num_processes)
-    check_checkpointing(cfg, plan.num_processes)
-    check_final_model_dir(cfg)
-    start = check_resume(cfg, plan.num_processes)
+    start = check_before_launch(cfg, plan.num_processes)
     if not dry_run:
         check_hub_access(cfg)
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
@@ -157,7 +99,7 @@ def train_command(
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
-    status = preprocess_beside_workers(cfg, plan)
+    preprocess_beside_workers(cfg, status)
     where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
     typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)
     try:
@@ -170,20 +112,13 @@ def train_command(
 def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cpu: bool, max_restarts: int,
                  gpus: Optional[str], nnodes: int, fsdp: bool, accelerate_config: Optional[Path], dry_run: bool) -> None:
     """--ray: the same checks, the data tokenized here, then Ray Train's workers run the training module."""
-    from ..config import ConfigError
     from ..launcher.ray import import_ray, run_with_ray
 
     if gpus is not None or nnodes > 1 or fsdp or accelerate_config is not None:
         fail("--ray places the workers itself: use --num-workers (and --address for a cluster) instead of --gpus, "
              "--nnodes, --fsdp or --accelerate-config")
-    try:
-        import_ray()
-    except ConfigError as exc:
-        fail(str(exc))
-    check_device_map(cfg, num_workers)
-    check_checkpointing(cfg, num_workers)
-    check_final_model_dir(cfg)
-    start = check_resume(cfg, num_workers)
+    import_ray()
+    start = check_before_launch(cfg, num_workers)
     if dry_run:
         typer.echo(f"# Ray Train: {num_workers} worker(s) on {address or 'a local Ray instance'}; start: {start}")
         raise typer.Exit(0)
@@ -196,24 +131,20 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
     raise typer.Exit(run_with_ray(config, cfg, num_workers, address, cpu, max_restarts))
 
 
-def preprocess_beside_workers(cfg, plan) -> Path:
+def preprocess_beside_workers(cfg, status: Path) -> None:
     """Tokenize in this process while the workers start (importing torch and loading the model takes them longer
-    than a small dataset takes here); they wait for it through a status file, never in a collective that would time
-    out on a large dataset. A failure reaches the console once, through rank 0."""
+    than a small dataset takes here); they wait for it through the status file (handoff.py), never in a collective
+    that would time out on a large dataset. A failure reaches the console once, through rank 0."""
     import sys
     import threading
-    import uuid
 
-    from ..data import (
-        PREPROCESSING_ENV, DataError, cached_for_inputs, ensure_chat_template, load_datasets, quiet_datasets,
-        write_preprocessing_status,
-    )
+    from ..data import DataError, cached_for_inputs, ensure_chat_template, load_datasets
+    from ..handoff import write_preprocessing_status
+    from ..logs import quiet_datasets
     from ..model import load_tokenizer
     from ._common import cannot_load_tokenizer
 
-    status = cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     write_preprocessing_status(status, "running")
-    plan.env[PREPROCESSING_ENV] = str(status.resolve())
     quiet_datasets(progress=sys.stderr.isatty())
 
     def work() -> None:
@@ -239,4 +170,3 @@ def preprocess_beside_workers(cfg, plan) -> Path:
             write_preprocessing_status(status, "done", cached=cached)
 
     threading.Thread(target=work, name="preprocessing", daemon=True).start()
-    return status

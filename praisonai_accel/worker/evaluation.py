@@ -5,36 +5,34 @@ from __future__ import annotations
 from ..config import TrainConfig
 
 
-def evaluate(accelerator, loss_module, eval_data, collate, batch_size: int) -> float:
-    """Token-normalised loss over the whole eval set; each sample is scored by exactly one rank, no padding duplicates.
+def evaluate(accelerator, loss_module, method, eval_data, collate, batch_size: int) -> tuple[float, dict[str, float]]:
+    """The method's loss and metrics over the whole eval set, means over its units (target tokens, pairs) as in
+    training; each sample is scored by exactly one rank, no padding duplicates.
 
     Every rank runs the same number of forwards, whatever its share: under FSDP every forward is a collective, and
     under DDP a rank with no rows at all would meet another rank's all-reduce with a buffer broadcast. A rank short of
-    rows scores a row whose labels are all masked, which adds nothing to the loss or the target count."""
+    rows scores the method's filler (an example that adds nothing to the loss or the units)."""
     import math
 
-    import numpy as np
     import torch
-
-    from ..chat_masking import IGNORE_INDEX
-    from ..data import batch_targets
 
     rank, world = accelerator.process_index, accelerator.num_processes
     shard = list(range(rank, len(eval_data), world))
     forwards = math.ceil(math.ceil(len(eval_data) / world) / batch_size)
-    filler = {**eval_data[0], "labels": np.full(len(eval_data[0]["labels"]), IGNORE_INDEX, dtype=np.int64)}
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    targets = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    filler = method.filler(eval_data[0])
+    sums = torch.zeros(2 + len(method.metric_names), dtype=torch.float64, device=accelerator.device)
     loss_module.eval()
     with torch.no_grad(), accelerator.autocast():
         for start in range(0, forwards * batch_size, batch_size):
             rows = [eval_data[i] for i in shard[start:start + batch_size]] or [filler]
-            batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
-            loss_sum += loss_module(batch["input_ids"], batch["labels"], batch["attention_mask"]).double()
-            targets += batch_targets(batch)
+            batch = {k: v.to(accelerator.device) if hasattr(v, "to") else v for k, v in collate(rows).items()}
+            summed, metrics = method.forward(loss_module, batch)
+            values = [summed, method.units(batch)] + [metrics.get(name, 0.0) for name in method.metric_names]
+            sums += torch.stack([torch.as_tensor(v, device=accelerator.device).double() for v in values])
     loss_module.train()
-    totals = accelerator.reduce(torch.stack([loss_sum, targets]), "sum")
-    return float(totals[0] / totals[1].clamp(min=1))
+    totals = accelerator.reduce(sums, "sum")
+    units = totals[1].clamp(min=1)
+    return float(totals[0] / units), {name: float(totals[2 + i] / units) for i, name in enumerate(method.metric_names)}
 
 
 def improved(metric: float, best: float | None, greater_is_better: bool, threshold: float) -> bool:

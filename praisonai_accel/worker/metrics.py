@@ -41,14 +41,17 @@ class StepResult:
     stop: bool  # some rank received SIGTERM
     examples: int = 0  # training examples (several to a packed row)
     flops: float = 0.0  # model FLOPs (flops.py), all ranks
+    units: int | None = None  # what the loss is a mean over (methods/base.py); target tokens when None
+    metric_sums: dict | None = None  # the method's metrics, summed over units
 
 
 class Window:
     """Steps since the last log line, summed over ranks."""
 
     def __init__(self):
-        self.steps = self.targets = self.tokens = self.positions = self.examples = 0
+        self.steps = self.targets = self.tokens = self.positions = self.examples = self.units = 0
         self.loss_sum = self.flops = 0.0
+        self.metric_sums: dict[str, float] = {}
         self.started = time.perf_counter()
 
     def add(self, step: StepResult) -> None:
@@ -59,13 +62,17 @@ class Window:
         self.positions += step.positions
         self.examples += step.examples
         self.flops += step.flops
+        self.units += step.targets if step.units is None else step.units
+        for name, value in (step.metric_sums or {}).items():
+            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
 
     def record(self, state, learning_rate: float, grad_norm: float | None, batches_per_epoch: int) -> dict:
         elapsed = time.perf_counter() - self.started
         return {
             "step": state.global_step,
             "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
-            "loss": self.loss_sum / max(self.targets, 1),
+            "loss": self.loss_sum / max(self.units, 1),
+            **{name: value / max(self.units, 1) for name, value in sorted(self.metric_sums.items())},
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
             "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,
@@ -137,7 +144,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.tracker_log is not None:
-            values = {k: v for k, v in record.items() if k in TRACKED and v is not None}
+            values = {k: v for k, v in record.items() if (k in TRACKED or "/" in k) and v is not None}  # + a method's own
             if values:
                 self.tracker_log(values, record["step"])
         if show:

@@ -1,0 +1,56 @@
+"""Rules about a run that the CLI checks before launching anything and the worker checks again at setup (it may
+have been started by `accelerate launch` or torchrun directly). Each rule is written once, here: it raises
+ConfigError with the one line the user sees, and both callers show that line.
+
+Imported by the commands and by the worker; imports only the config, the checkpoint and output-directory modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import DEEPSPEED_REFUSED, MULTI_DEVICE_MAPS, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
+
+
+def device_map_rule(device_map, num_processes: int) -> None:
+    """One model spread over several GPUs cannot also be replicated by DDP."""
+    if num_processes > 1 and isinstance(device_map, str) and device_map in MULTI_DEVICE_MAPS:
+        raise ConfigError(
+            f"device_map: '{device_map}' spreads one model over several GPUs and cannot be used with "
+            f"{num_processes} DDP processes; remove device_map to load the full model on each rank's GPU")
+
+
+def reentrant_rule(config: TrainConfig, num_processes: int, reentrant: bool | None = None) -> None:
+    """Reentrant checkpointing marks a parameter ready twice under DDP's unused-parameter detection. `reentrant`:
+    what the worker knows (unsloth's checkpointing is reentrant too); the CLI reads the config."""
+    if reentrant is None:
+        reentrant = config.use_gradient_checkpointing == "reentrant"
+    if num_processes > 1 and reentrant and config.ddp_find_unused_parameters:
+        raise ConfigError(REENTRANT_WITH_UNUSED)
+
+
+def deepspeed_rule(distributed_type: str, where: str) -> None:
+    """`where` names what the user wrote: the --accelerate-config file, or the accelerate config a worker got."""
+    if str(distributed_type).upper() == "DEEPSPEED":
+        raise ConfigError(f"{where}: {DEEPSPEED_REFUSED}")
+
+
+def final_model_dir_rule(config: TrainConfig) -> None:
+    """The final save may replace only an earlier final model of ours."""
+    from .publish.output_dirs import check_replaceable
+
+    check_replaceable(config.final_model_path(), "final_model_dir")
+
+
+def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, int, str | None]:
+    """Where the run starts: (checkpoint or None, micro-batches each rank skips in the resumed epoch, a warning
+    when the process layout changed). Refuses another run's checkpoints and a layout that cannot continue."""
+    from .worker import checkpoint as ckpt
+
+    start = ckpt.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint, config.run_fingerprint(),
+                                      config.overwrite_output_dir, config.run_identity(), config.force_resume)
+    if start is None:
+        return None, 0, None
+    skip, warning = ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes,
+                                     config.per_device_train_batch_size)
+    return start, skip, warning

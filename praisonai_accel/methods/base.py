@@ -1,0 +1,54 @@
+"""What a training method is to the recipe: how its batches are collated, what its loss is a mean over, and the
+module whose forward computes that loss.
+
+The recipe (worker/recipe.py) owns everything else — accumulation, the normalisation over micro-batches and ranks,
+clipping, checkpoints, resume, evaluation scheduling, trackers — and knows no method by name. A batch always
+carries `input_ids`, `attention_mask` and `labels` (-100 where nothing is trained), and `position_ids` for packed
+rows; a method may add keys of its own.
+
+The loss module is what `accelerator.prepare` wraps (DDP / FSDP2), so everything a step needs (a reference model's
+log-probs too) happens inside its one forward: DDP and FSDP then see exactly one forward per backward. It keeps
+the model being trained as its attribute `causal_lm` (checkpoints and the final save read it there) and exposes
+`_no_split_modules`, `get_input_embeddings` and `get_output_embeddings` as lm_loss.CausalLMLoss does (FSDP2's
+wrapping reads them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("praisonai_accel")
+
+
+class TrainingMethod:
+    name: str = ""
+    unit: str = ""  # what the loss is a mean over, in words: "target tokens", "pairs", "examples"
+    metric_names: tuple[str, ...] = ()  # logged as means per unit, beside `loss`
+
+    def __init__(self, config):
+        self.config = config
+
+    # ---- batches
+    def collator(self, pad_token_id: int):
+        """A callable turning a list of encoded examples into a batch of tensors (right padding)."""
+        raise NotImplementedError
+
+    def filler(self, example: dict) -> dict:
+        """An example like `example` that adds nothing to the loss, the metrics or the units: evaluation gives it to
+        a rank short of rows, so every rank runs the same number of forwards."""
+        raise NotImplementedError
+
+    def units(self, batch: dict):
+        """How many units this micro-batch holds: the loss of a step is its summed loss over the units of all its
+        micro-batches on all ranks. A 0-dim tensor or an int."""
+        raise NotImplementedError
+
+    # ---- loss
+    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
+        """The module accelerate.prepare wraps; its forward is driven by `forward`."""
+        raise NotImplementedError
+
+    def forward(self, module, batch: dict) -> tuple[Any, dict]:
+        """(summed loss over the batch's units, {metric name: sum over units}) through the prepared module."""
+        raise NotImplementedError

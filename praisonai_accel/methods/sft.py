@@ -1,0 +1,63 @@
+"""Supervised fine-tuning: next-token cross-entropy on the trained tokens, a mean over every target token of the
+optimizer step. The LM head is applied at target positions only, in chunks (lm_loss.py), unless peft trains the
+head or the model's head is not a plain linear layer over its decoder output."""
+
+from __future__ import annotations
+
+from .base import TrainingMethod, log
+
+
+class SFT(TrainingMethod):
+    name = "sft"
+    unit = "target tokens"
+
+    def collator(self, pad_token_id: int):
+        from ..data import PadCollator
+
+        return PadCollator(pad_token_id)
+
+    def filler(self, example: dict) -> dict:
+        import numpy as np
+
+        from ..chat_masking import IGNORE_INDEX
+
+        return {**example, "labels": np.full(len(example["labels"]), IGNORE_INDEX, dtype=np.int64)}
+
+    def units(self, batch: dict):
+        from ..data import batch_targets
+
+        return batch_targets(batch)
+
+    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
+        from .lm_loss import CausalLMLoss, load_liger, verify_head, wraps_head
+
+        config = self.config
+        module = CausalLMLoss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
+        if module.chunked and wraps_head(module):
+            module.chunked = False
+            log.info("loss: lm_head is trained through peft (LoRA or modules_to_save), which the chunked loss would "
+                     "bypass; using the model's full logits")
+        probe = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+        if module.chunked and not head_verified(accelerator, lambda: verify_head(module, probe, accelerator.device)):
+            module.chunked = False
+            log.warning("warning: this model's head is not a plain linear layer over the decoder output; "
+                        "the loss uses its full logits")
+        log.info("loss: %s", "liger fused linear cross-entropy" if module.liger is not None and module.chunked else
+                 "LM head at target positions only, chunked" if module.chunked else "full logits")
+        return module
+
+    def forward(self, module, batch: dict):
+        return module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids")), {}
+
+
+def head_verified(accelerator, verify) -> bool:
+    """Under FSDP only rank 0 holds real weights before prepare (the others wait on the meta device for its
+    broadcast), so rank 0 checks the head and tells the others."""
+    if accelerator.distributed_type.name != "FSDP":
+        return verify()
+    import torch
+    import torch.distributed as dist
+
+    verdict = torch.tensor([float(verify()) if accelerator.is_main_process else 0.0])
+    dist.broadcast(verdict, src=0)
+    return bool(verdict[0] > 0)

@@ -1,0 +1,106 @@
+"""What a run leaves behind besides checkpoints: the final model directory, progress.json, train_summary.json,
+metrics.jsonl trimmed on resume, the loss plot; and the clean-up of what an interrupted run left half-done."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from ..atomic import write_json_atomic
+from ..config import ConfigError, TrainConfig
+from ..publish.output_dirs import NotOurs, replace_with
+from . import checkpoint as ckpt
+from .metrics import read_metrics
+
+log = logging.getLogger("praisonai_accel")
+
+
+def save_final_model(accelerator, model, tokenizer, config: TrainConfig, card: str | None = None) -> None:
+    """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at
+    all, and replaces only an earlier final model of ours (checked before launch, and again here)."""
+    import os
+
+    target = config.final_model_path()
+    causal_lm, state_dict = ckpt.trained_model_and_state(accelerator, model, trainable_only=config.uses_lora)
+    if accelerator.is_main_process:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        causal_lm.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if card is not None:
+            (tmp / "README.md").write_text(card)
+        try:
+            replace_with(tmp, target, "final_model_dir", kind="adapter" if config.uses_lora else "model",
+                         trust_remote_code=config.trust_remote_code, revision=config.revision)
+        except NotOurs as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"{exc} (the checkpoints in {config.output_dir} are intact)") from None
+    accelerator.wait_for_everyone()
+
+
+def parameter_digest(model) -> str:
+    """Hash of this rank's trainable weights: equal on every rank iff DDP kept them in sync."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if param.requires_grad:
+            value = param.full_tensor() if hasattr(param, "full_tensor") else param  # FSDP2 shards are DTensors
+            digest.update(name.encode())
+            digest.update(value.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def peak_gpu_memory_mib() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def write_progress(output_dir: Path, status: str, global_step: int, total_steps: int, num_processes: int,
+                   final_model_dir: Path) -> None:
+    """output_dir/progress.json: what `report` reads of a run in progress or interrupted (rank 0 calls this)."""
+    import time
+
+    write_json_atomic({"status": status, "global_step": global_step, "total_steps": total_steps,
+                       "num_processes": num_processes, "updated": time.time(), "final_model_dir": str(final_model_dir)},
+                      output_dir / "progress.json")
+
+
+def trim_metrics_after(output_dir: Path, step: int) -> None:
+    """On resume, forget metric lines of steps that will be trained again (rank 0 calls this)."""
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+
+
+def remove_stale_push_snapshots(output_dir: Path) -> None:
+    """Hub-push snapshots (hub.py's .push-*) left by a run that died mid-upload; nothing else is touched."""
+    for path in output_dir.glob(".push-*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_up_interrupted_saves(config: TrainConfig, resuming: bool) -> None:
+    """Rank 0, before training: what an earlier attempt left half-written (never a complete checkpoint of ours,
+    unless overwrite_output_dir says to start over)."""
+    output_dir = config.output_path()
+    if config.overwrite_output_dir and not resuming:
+        ckpt.clear_checkpoints(output_dir)
+    ckpt.remove_stale_temporaries(output_dir)
+    remove_stale_push_snapshots(output_dir)
+
+
+def write_summary(summary: dict, output_dir: Path, plot_loss: bool) -> None:
+    """train_summary.json and, if asked, loss.png (rank 0 calls this)."""
+    write_json_atomic(summary, output_dir / "train_summary.json")
+    if plot_loss:
+        from ..report import write_loss_plot
+
+        plot = write_loss_plot(output_dir)
+        if plot is not None:
+            log.info("loss plot: %s", plot)

@@ -37,7 +37,7 @@ def deepspeed_rule(distributed_type: str, where: str) -> None:
 
 def final_model_dir_rule(config: TrainConfig) -> None:
     """The final save may replace only an earlier final model of ours."""
-    from .publish.output_dirs import check_replaceable
+    from .output_dirs import check_replaceable
 
     check_replaceable(config.final_model_path(), "final_model_dir")
 

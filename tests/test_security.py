@@ -18,7 +18,7 @@ import torch
 from praisonai_accel import checkpoint as ckpt
 from praisonai_accel.config import ConfigError, parse_config
 from praisonai_accel.launcher.local import LauncherOutput
-from praisonai_accel.publish.output_dirs import MARKER, NotOurs, check_replaceable, replace_with
+from praisonai_accel.output_dirs import MARKER, NotOurs, check_replaceable, replace_with
 from praisonai_accel.launcher.slurm import slurm_script
 
 from conftest import REPO, cli, cpu_env, read_summary, run, write_config

@@ -108,7 +108,7 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
         )
     architecture = _architecture(base_dir)
     if architecture not in ADAPTER_ARCHITECTURES:
-        from ..inference import merge_adapter
+        from .merge import merge_adapter
 
         # replaces only an earlier merge of ours: a folder of the user's at that path is refused, never deleted
         merged = merge_adapter(source, source.with_name(source.name + "-merged"), trust_remote_code=trust_remote_code)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..atomic import write_json_atomic
 from ..config import ConfigError, TrainConfig
-from ..publish.output_dirs import NotOurs, replace_with
+from ..output_dirs import NotOurs, replace_with
 from . import checkpoint as ckpt
 from .metrics import read_metrics
 

@@ -35,7 +35,7 @@ from praisonai_accel.launcher.plan import free_port  # noqa: E402
 TARGETS = {"step_time_ratio": 0.9, "padding_fraction": 0.05, "help_seconds": 0.5, "cached_preprocess_ratio": 0.10,
            # realistic case (128k vocabulary, 512-token rows, no packing): ahead of every peer, not only of TRL
            "realistic_step_time_ratio": 0.5, "realistic_peak_rss_ratio": 0.5,
-           # model FLOPs per second over the in-run matmul peak (flops.py; README "Benchmark")
+           # model FLOPs per second over the in-run matmul peak (flops.py; docs/benchmarks.md)
            "realistic_mfu": 0.65}
 REALISTIC_VOCAB = 128256  # Llama 3's vocabulary
 WARMUP_STEPS = 3  # the first steps include lazy initialisation; left out of step-time medians

@@ -32,7 +32,9 @@ from .data import (
     PREPROCESSING_ENV, LengthGroupedSampler, PadCollator, batch_targets, cache_dir, ensure_chat_template, load_datasets,
     quiet_datasets, report_stats, wait_for_cache, wait_for_launcher,
 )
-from .distributed import VERBOSE_ENV, DistEnv, attempt_id, fsdp_requested, gpu_has_bf16, resolve_mixed_precision
+from .distributed import (
+    VERBOSE_ENV, DistEnv, attempt_id, ddp_backend_kwargs, fsdp_requested, gpu_has_bf16, resolve_mixed_precision,
+)
 from .errors import first_line
 from .evaluation import evaluate, record_evaluation
 from .flops import attended_keys, examples_in, flop_counts
@@ -356,7 +358,8 @@ class Recipe:
             gradient_accumulation_steps=1,  # accumulation is done by the loop, see module docstring
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused),
-                             InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
+                             InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout),
+                                                    **ddp_backend_kwargs())],
             log_with=config.trackers or None,
             project_config=ProjectConfiguration(project_dir=config.output_dir, logging_dir=str(self.output_dir / "runs"),
                                                 automatic_checkpoint_naming=False),
@@ -752,6 +755,7 @@ class Recipe:
             "parameter_bytes_per_rank": gather_object([self.parameter_bytes]),
             "flop_counts": self.flop_counts.as_dict(),
             "rank_weight_digests": digests,
+            "peak_gpu_memory_mib_per_rank": gather_object([_peak_gpu_memory_mib()]),
             "weights_in_sync": len(set(digests)) == 1,
             "backend": self.backend.name,
             "train_seconds": time.perf_counter() - started,

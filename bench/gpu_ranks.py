@@ -129,9 +129,11 @@ def compare(case: dict, trained: Path, reference: Path, base: Path | None, toler
         case["adapter_equal"] = f"not compared ({type(exc).__name__}: {exc})"
         return
     keys = sorted(set(a) & set(b))
-    if not keys or set(a) != set(b):
-        case["adapter_equal"] = f"not compared: keys differ ({len(a)} vs {len(b)}, {len(keys)} common)"
+    if not keys:
+        case["adapter_equal"] = f"not compared: no weight in common ({len(a)} vs {len(b)})"
         return
+    if set(a) != set(b):  # e.g. a tied lm_head.weight saved by one path only
+        case["keys_in_one_only"] = sorted(set(a) ^ set(b))
     initial = load_weights(base) if base is not None else {}
     num = den = 0.0
     max_abs = 0.0

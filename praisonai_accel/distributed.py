@@ -18,6 +18,9 @@ from .config import ConfigError
 UNSLOTH_DDP_FLAG = "UNSLOTH_USE_NEW_MODEL"
 VERBOSE_ENV = "PRAISONAI_ACCEL_VERBOSE"  # train --verbose: libraries' own output is shown
 TTY_ENV = "PRAISONAI_ACCEL_TTY"  # the user's console is a terminal, though a launcher pipes the workers' stderr
+# transformers' ddp_backend: gloo lets several ranks share one GPU (NCCL refuses two ranks on one device)
+DDP_BACKEND_ENV = "PRAISONAI_ACCEL_DDP_BACKEND"
+DDP_BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,15 @@ def fsdp_requested(environ: Mapping[str, str] | None = None) -> bool:
     return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool, sharded: bool = False) -> Any:
+def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool, sharded: bool = False,
+                       device_count: int = 0) -> Any:
     """Where from_pretrained should put the weights of this rank's full copy of the model.
 
     Under DDP every rank holds the whole model on its own GPU; sharding it across GPUs with
     "auto" would make the ranks fight over the same devices. Under FSDP (`sharded`) nothing is placed:
     rank 0 reads the weights into host memory, the others build the model on the meta device, and
-    FSDP moves each rank's shards to its GPU.
+    FSDP moves each rank's shards to its GPU. With more ranks than GPUs (`device_count`, 0 when unknown) a rank's
+    GPU is its local rank modulo the count, as accelerate places it.
     """
     if env.is_distributed and sharded:
         if requested not in (None, "cuda", "cpu"):
@@ -73,7 +78,7 @@ def resolve_device_map(requested: Any, env: DistEnv, cuda_available: bool, shard
             raise ConfigError("device_map: under DDP each rank loads the whole model on its own device; remove device_map")
         if requested == "cpu" or not cuda_available:
             return None
-        return {"": env.local_rank}
+        return {"": env.local_rank % device_count if device_count else env.local_rank}
     if requested is not None:
         return requested
     return {"": 0} if cuda_available else None
@@ -104,6 +109,18 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ddp_backend_kwargs(environ: Mapping[str, str] | None = None) -> dict:
+    """init_process_group's backend, when PRAISONAI_ACCEL_DDP_BACKEND names one and there are several processes;
+    accelerate's default otherwise (given a backend, accelerate treats even one process as distributed)."""
+    environ = os.environ if environ is None else environ
+    backend = environ.get(DDP_BACKEND_ENV, "").strip().lower()
+    if not backend:
+        return {}
+    if backend not in DDP_BACKENDS:
+        raise ConfigError(f"{DDP_BACKEND_ENV}={backend}: expected one of {', '.join(DDP_BACKENDS)}")
+    return {"backend": backend} if DistEnv.from_environ(environ).is_distributed else {}
 
 
 def gpu_has_bf16() -> bool:

@@ -171,7 +171,10 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
 
 def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend, use_cuda: bool, bf16_supported: bool):
     """The trainable model on this rank's device, and its tokenizer."""
-    device_map = resolve_device_map(config.device_map, env, use_cuda, sharded=fsdp_requested())
+    import torch
+
+    device_map = resolve_device_map(config.device_map, env, use_cuda, sharded=fsdp_requested(),
+                                    device_count=torch.cuda.device_count() if use_cuda else 0)
     dtype = resolve_torch_dtype(config, use_cuda, bf16_supported)
     try:
         if backend.name == "unsloth":

@@ -28,6 +28,30 @@ def test_each_ddp_rank_loads_the_full_model_on_its_own_gpu(local_rank):
     assert resolve_device_map(None, env, cuda_available=False) is None  # CPU: no device_map at all
 
 
+def test_ranks_beyond_the_gpu_count_share_gpus_as_accelerate_places_them():
+    """Two ranks on one GPU (gloo): both load on cuda:0, where accelerate's set_device puts them too."""
+    assert [resolve_device_map(None, DistEnv(r, r, 4), True, device_count=2) for r in range(4)] == [
+        {"": 0}, {"": 1}, {"": 0}, {"": 1}]
+    assert resolve_device_map(None, DistEnv(1, 1, 2), True, device_count=1) == {"": 0}
+
+
+def test_ddp_backend_is_chosen_by_environment_variable():
+    from praisonai_accel.distributed import DDP_BACKEND_ENV, ddp_backend_kwargs
+
+    two = {"WORLD_SIZE": "2"}
+    assert ddp_backend_kwargs(two) == {} and ddp_backend_kwargs({**two, DDP_BACKEND_ENV: ""}) == {}
+    assert ddp_backend_kwargs({**two, DDP_BACKEND_ENV: "Gloo"}) == {"backend": "gloo"}
+    # one process: no process group, whatever the variable says (accelerate would expect one if given a backend)
+    assert ddp_backend_kwargs({DDP_BACKEND_ENV: "gloo"}) == {}
+    with pytest.raises(ConfigError, match=f"{DDP_BACKEND_ENV}=mpi: expected one of nccl, gloo"):
+        ddp_backend_kwargs({DDP_BACKEND_ENV: "mpi"})
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # what _build_accelerator hands accelerate: the backend reaches init_process_group only when named
+    assert InitProcessGroupKwargs(**ddp_backend_kwargs({**two, DDP_BACKEND_ENV: "gloo"})).to_kwargs()["backend"] == "gloo"
+    assert "backend" not in InitProcessGroupKwargs(**ddp_backend_kwargs(two)).to_kwargs()
+
+
 @pytest.mark.parametrize("requested", ["auto", "balanced", "balanced_low_0", "sequential"])
 def test_sharding_device_maps_are_refused_under_ddp(requested):
     with pytest.raises(ConfigError, match=f"device_map: '{requested}' spreads one model over several GPUs"):

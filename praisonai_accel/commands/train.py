@@ -71,10 +71,13 @@ def train_command(
     on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
     precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and gpu_has_bf16())
     status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
-    processes = (total_processes(read_accelerate_config(accelerate_config)) if accelerate_config is not None
-                 else per_node * nodes.count)
+    processes, here = per_node * nodes.count, per_node
+    if accelerate_config is not None:
+        accel = read_accelerate_config(accelerate_config)
+        processes = total_processes(accel)
+        here = max(1, processes // int(accel.get("num_machines", 1) or 1))
     handoff = worker_environment(verbose=verbose, preprocessing_status=status,
-                                 memory_note=memory_note(cfg, per_node, fsdp) if processes > 1 and not dry_run else "")
+                                 memory_note=memory_note(cfg, here, fsdp) if processes > 1 and not dry_run else "")
     try:
         plan = plan_launch(config, cfg, num_processes=per_node, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
                            accelerate_config_file=accelerate_config, nodes=nodes, max_restarts=max_restarts, fsdp=fsdp,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..checks import deepspeed_rule, reentrant_rule
 from ..config import ConfigError, TrainConfig
-from ..distributed import attempt_id, fsdp_requested, resolve_mixed_precision
+from ..distributed import attempt_id, ddp_backend_kwargs, fsdp_requested, resolve_mixed_precision
 
 log = logging.getLogger("praisonai_accel")
 
@@ -35,7 +35,8 @@ def build_accelerator(config: TrainConfig, distributed: bool, reentrant: bool, u
         gradient_accumulation_steps=1,  # accumulation is done by the recipe: the loss is normalised over the step
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused),
-                         InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
+                         InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout),
+                                                **ddp_backend_kwargs())],
         log_with=config.trackers or None,
         project_config=ProjectConfiguration(project_dir=config.output_dir,
                                             logging_dir=str(config.output_path() / "runs"),

@@ -386,6 +386,7 @@ class Recipe:
             "parameter_bytes_per_rank": gather_object([self.parameter_bytes]),
             "flop_counts": self.flop_counts.as_dict(),
             "rank_weight_digests": digests,
+            "peak_gpu_memory_mib_per_rank": gather_object([outputs.peak_gpu_memory_mib()]),
             "weights_in_sync": len(set(digests)) == 1,
             "backend": self.backend.name,
             "train_seconds": time.perf_counter() - started,

@@ -5,7 +5,7 @@ Reads the same cache training reads (tokenizing first if needed), so what is sho
 
 from __future__ import annotations
 
-from .chat_masking import IGNORE_INDEX
+from .data import IGNORE_INDEX
 
 OPEN, CLOSE = "[[", "]]"  # trained spans when the output is not a terminal
 

@@ -151,15 +151,15 @@ def tokenized_or_fail(config):
     Preprocessing shows progress bars on a terminal."""
     import sys
 
-    from ..data import DataError, ensure_chat_template, load_datasets
-    from ..model import load_tokenizer
+    from ..data import DataError, load_datasets, load_tokenizer
 
     quiet_tokenizing(progress=sys.stderr.isatty())
     try:
         tokenizer = load_tokenizer(config)
     except (OSError, ValueError) as exc:
         fail(cannot_load_tokenizer(config, exc))
-    ensure_chat_template(tokenizer, config.chat_template)
+    except DataError as exc:
+        fail(str(exc))
     try:
         return (tokenizer, *load_datasets(config, tokenizer))
     except DataError as exc:

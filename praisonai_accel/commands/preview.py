@@ -17,7 +17,7 @@ def preview_command(
     """Tokenize exactly as training will (same cache) and show examples with the trained tokens highlighted."""
     from rich.console import Console
 
-    from ..chat_masking import IGNORE_INDEX
+    from ..data import IGNORE_INDEX
     from ..preview import dataset_rows, histogram, marked_text
 
     cfg = load_config_or_fail(config)

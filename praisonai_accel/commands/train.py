@@ -205,10 +205,9 @@ def preprocess_beside_workers(cfg, plan) -> Path:
     import uuid
 
     from ..data import (
-        PREPROCESSING_ENV, DataError, cached_for_inputs, ensure_chat_template, load_datasets, quiet_datasets,
+        PREPROCESSING_ENV, DataError, cached_for_inputs, load_datasets, load_tokenizer, quiet_datasets,
         write_preprocessing_status,
     )
-    from ..model import load_tokenizer
     from ._common import cannot_load_tokenizer
 
     status = cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
@@ -225,11 +224,13 @@ def preprocess_beside_workers(cfg, plan) -> Path:
         hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
         try:
             tokenizer = load_tokenizer(cfg)
+        except DataError as exc:
+            write_preprocessing_status(status, "failed", str(exc))
+            return
         except Exception as exc:
             write_preprocessing_status(status, "failed", cannot_load_tokenizer(cfg, exc))
             return
         try:
-            ensure_chat_template(tokenizer, cfg.chat_template)
             cached = load_datasets(cfg, tokenizer)[2]
         except DataError as exc:
             write_preprocessing_status(status, "failed", str(exc))

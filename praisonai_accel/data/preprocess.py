@@ -71,8 +71,10 @@ def invalid_rows_error(invalid: list[SkippedRow], formats: dict[str, str] | None
     total = f"{len(invalid)} invalid row{'s' if len(invalid) > 1 else ''} in all"
     if len(datasets) > 1:
         total += " (" + ", ".join(f"{name} {count}" for name, count in counts.items()) + ")"
-    return (f"{where}: {shown} ({total}; fix them, or set skip_invalid_rows: true to train on the rest and list them "
-            f"in output_dir/logs/{SKIPPED_FILE})")
+    hint = ("; use a chat_template that writes them (Qwen 3's and Llama 3.1's write tool calls and results), "
+            if any(row.reason.kind.startswith("chat template drops") for row in invalid) else "; ")
+    return (f"{where}: {shown} ({total}{hint}fix them, or set skip_invalid_rows: true to train on the rest and list "
+            f"them in output_dir/logs/{SKIPPED_FILE})")
 
 
 def _table(raw: RawRows, positions: list[int]):

@@ -222,7 +222,7 @@ def _csv_rows(raw: str, spec: DatasetSpec):
         if problem is None and len(values) > len(header):
             problem = RowProblem("extra values", f"{len(values)} values where the header names {len(header)} columns")
         if problem is None:
-            rows.append({name: (values[i] if i < len(values) else None) for i, name in enumerate(header)})
+            rows.append({name: (values[i] if i < len(values) else "") for i, name in enumerate(header)})
         else:
             rows.append(None)
             unreadable[position] = problem

@@ -86,17 +86,15 @@ def _appears(part: str, text: str) -> bool:
 
 
 def dropped_by_template(tokenizer, plan: MaskingPlan, messages: list[dict], tools=None) -> RowProblem | None:
-    """Which part of the conversation (prepared for the plan) the rendered text leaves out, if any: every message's
+    """What of the conversation (prepared for the plan) the rendered text leaves out, if anything: every message's
     content, every tool call's name and argument names, every tool result must be written somewhere."""
     text = render(tokenizer, plan.template, messages, tools)
+    dropped: dict[str, list[int]] = {}
     for number, message in enumerate(messages, 1):
         role = message.get("role")
         content = visible_content(content_text(message.get("content")))
         if content and not _appears(content, text):
-            what = "tool results (the tool role)" if role == "tool" else f"{role} messages"
-            return RowProblem(f"chat template drops {what}",
-                              f"the chat template {template_label(plan)} drops {what}: turn {number}'s content is not "
-                              f"in the rendered text")
+            dropped.setdefault(f"the {role} role", []).append(number)
         for call in message.get("tool_calls") or []:
             function = call.get("function") or {}
             arguments = function.get("arguments")
@@ -107,7 +105,8 @@ def dropped_by_template(tokenizer, plan: MaskingPlan, messages: list[dict], tool
                     arguments = {}
             names = [str(function.get("name", ""))] + [str(k) for k in (arguments if isinstance(arguments, dict) else {})]
             if not all(_appears(name, text) for name in names if name):
-                return RowProblem("chat template drops tool calls",
-                                  f"the chat template {template_label(plan)} drops tool calls (turn {number}, "
-                                  f"{function.get('name')}): the call is not in the rendered text")
-    return None
+                dropped.setdefault("tool calls", []).append(number)
+    if not dropped:
+        return None
+    turns = " and ".join(f"{part} (turn {', '.join(map(str, numbers))})" for part, numbers in dropped.items())
+    return RowProblem(f"chat template drops {' and '.join(dropped)}", f"the chat template {template_label(plan)} drops {turns}")

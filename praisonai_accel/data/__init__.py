@@ -13,7 +13,7 @@ from .cache import (
     cache_dir, cache_entries, cache_key, cached_for_inputs, inputs_key, remember_inputs,
 )
 from .chat_masking import (
-    IGNORE_INDEX, MaskingPlan, content_text, encode_conversation, end_of_turn_token, normalize_message, plan_masking,
+    IGNORE_INDEX, METHOD_MARKERS, METHOD_SPANS, METHOD_TWIN, MaskingPlan, content_text, encode_conversation, end_of_turn_token, normalize_message, plan_masking,
     render, special_strings, template_name,
 )
 from .encoding import Encoded, batch_targets, count_targets, encode_chat, encode_text

@@ -111,7 +111,7 @@ def check_row(row, fmt: str, spec: DatasetSpec) -> RowProblem | None:
 
 
 def _raw_role(turn: dict) -> str:
-    role = turn.get("from", turn.get("role")) if "from" in turn or turn.get("role") is not None else None
+    role = turn.get("from") if turn.get("from") is not None else turn.get("role")
     return role.lower() if isinstance(role, str) else ""
 
 
@@ -129,11 +129,12 @@ def _role_problem(turn, number: int, key: str) -> RowProblem | None:
 
 
 def _sharegpt_turn_problem(turn, number: int) -> RowProblem | None:
-    problem = _role_problem(turn, number, "from" if not isinstance(turn, dict) or "from" in turn else "role")
+    uses_role = isinstance(turn, dict) and turn.get("from") is None and turn.get("role") is not None
+    problem = _role_problem(turn, number, "role" if uses_role else "from")
     if problem:
         return problem
     role = _raw_role(turn)
-    value = turn.get("value", turn.get("content"))
+    value = _turn_value(turn)
     if value is not None and not isinstance(value, str):
         return RowProblem("wrongly typed field", f"turn {number} ({role})'s value is {_kind_of(value)}, not text")
     if not (value or "").strip():
@@ -212,9 +213,13 @@ def _tools_of(example: dict) -> list[dict] | None:
     return list(tools) if tools else None
 
 
+def _turn_value(turn: dict):
+    return turn.get("value") if turn.get("value") is not None else turn.get("content")
+
+
 def _sharegpt_turn(turn: dict) -> dict:
-    raw_role = str(turn.get("from", turn.get("role"))).lower()
-    content = turn.get("value", turn.get("content", ""))
+    raw_role = _raw_role(turn)
+    content = _turn_value(turn) or ""
     message = {"role": ROLE_NAMES.get(raw_role, "user"), "content": content if isinstance(content, (str, list)) else str(content)}
     if raw_role == "function_call":  # LLaMA-Factory's sharegpt: the call (or a list of calls) as JSON in the value
         calls = _function_calls(message["content"])

@@ -162,6 +162,7 @@ def test_skip_invalid_rows_trains_on_the_rest_and_lists_every_skipped_row(tmp_pa
     assert (out / "metrics.jsonl").exists()
     preview = cli("preview", str(skip), "-n", "0")
     assert preview.returncode == 0 and "warning: skipped 3 invalid rows" in preview.stderr
+    assert "examples 9 of 12 |" in preview.stdout and "| invalid skipped 3" in preview.stdout
 
 
 def test_json_arrays_are_numbered_by_line_and_tables_by_row_index(tmp_path, tokenizer_config):

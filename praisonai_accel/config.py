@@ -87,6 +87,7 @@ class TrainConfig(_Strict):
     # When even the response does not fit: cut its end (truncate) or leave the example out (drop)
     excess_length_strategy: Literal["truncate", "drop"] = "truncate"
     packing: bool = False
+    skip_invalid_rows: bool = False  # train on the valid rows; every other one is listed in logs/skipped_rows.jsonl
 
     # fine-tune method
     finetune_type: Literal["lora", "qlora", "full"] = "lora"

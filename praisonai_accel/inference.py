@@ -66,7 +66,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     """Where generation stops: the model's own generation_config eos ids, the tokenizer's eos, and the template's
     end-of-turn token. Qwen2.5 and Llama 3.x end a turn with <|im_end|> / <|eot_id|>, which for some checkpoints is
     not the tokenizer's eos; stopping on eos alone runs on into invented turns."""
-    from .chat_masking import end_of_turn_token
+    from .data import end_of_turn_token
 
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]

@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import ConfigError, TrainConfig
 from .errors import first_line
+from .data import ensure_chat_template, load_tokenizer
 from .distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 log = logging.getLogger(__name__)
@@ -74,14 +75,6 @@ def lora_settings(config: TrainConfig) -> dict:
         "bias": config.lora_bias,
         "use_rslora": config.use_rslora,
     }
-
-
-def load_tokenizer(config: TrainConfig):
-    from transformers import AutoTokenizer
-
-    name = config.tokenizer_name or config.model_name
-    revision = config.revision if name == config.model_name else None  # a revision names a commit of model_name
-    return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=config.trust_remote_code)
 
 
 def resolve_commit(config: TrainConfig) -> str | None:
@@ -178,7 +171,9 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
     dtype = resolve_torch_dtype(config, use_cuda, bf16_supported)
     try:
         if backend.name == "unsloth":
-            return _load_with_unsloth(config, env, device_map, backend.module, dtype)
+            model, tokenizer = _load_with_unsloth(config, env, device_map, backend.module, dtype)
+            ensure_chat_template(tokenizer, config.chat_template)
+            return model, tokenizer
         tokenizer = load_tokenizer(config)
         return _load_with_transformers(config, device_map, dtype), tokenizer
     except (OSError, ValueError) as exc:  # missing files, bad repo ids, unreadable configs

@@ -5,7 +5,7 @@ Reads the same cache training reads (tokenizing first if needed), so what is sho
 
 from __future__ import annotations
 
-from .chat_masking import IGNORE_INDEX
+from .data import IGNORE_INDEX
 
 OPEN, CLOSE = "[[", "]]"  # trained spans when the output is not a terminal
 
@@ -48,5 +48,6 @@ def dataset_rows(data, stats) -> list[dict]:
         lengths = [length for length, source in zip(data.lengths, sources) if source == index]
         rows.append({"name": d.name, "rows": d.rows, "examples": d.examples, "tokens": d.tokens,
                      "trained_fraction": d.target_tokens / max(d.tokens, 1), "truncated": d.truncated,
-                     "response_cut": d.response_cut, "dropped": d.dropped, "masking": d.masking, "lengths": lengths})
+                     "response_cut": d.response_cut, "dropped": d.dropped, "invalid": d.invalid, "masking": d.masking,
+                     "lengths": lengths})
     return rows

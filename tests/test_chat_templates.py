@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from trl.chat_template_utils import supports_tool_calling
 
-from praisonai_accel.chat_masking import (
-    IGNORE_INDEX, METHOD_SPANS, METHOD_TWIN, MaskingReport, check_masking, encode_conversation, plan_masking, render,
+from praisonai_accel.data.chat_masking import (
+    IGNORE_INDEX, METHOD_SPANS, METHOD_TWIN, encode_conversation, plan_masking, render,
 )
+from praisonai_accel.data.masking_check import MaskingReport, check_masking
 from praisonai_accel.publish.ollama_template import derive
 
 from chat_families import original_templates, template_text, tokenizer_for, twin_of

@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.worker import checkpoint as ckpt
 from praisonai_accel.data import INPUTS_INDEX
 
 from conftest import cli, cpu_env, fault_env, load_adapter, read_metrics, read_summary, write_config

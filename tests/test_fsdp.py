@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.worker import checkpoint as ckpt
 
 from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
 from test_checkpoint import wait_for_step

@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from praisonai_accel import loss as loss_module
-from praisonai_accel.data import PadCollator
+from praisonai_accel.methods import lm_loss as loss_module
+from praisonai_accel.data import PackedDataset, PadCollator, TokenizedDataset, best_fit_decreasing
 from praisonai_accel.methods.lm_loss import CausalLMLoss, chunked_loss_sum, verify_head
-from praisonai_accel.packing import PackedDataset, best_fit_decreasing
-from praisonai_accel.tokenized import TokenizedDataset
 
 LLAMA3_VOCAB = 128256
 
@@ -169,7 +167,7 @@ def test_packed_examples_have_exactly_their_unpacked_loss_and_gradients(kind, at
     rows = examples(12, vocab, seed=3)
     unpacked = PadCollator(0)(rows)
     lengths = [len(r["input_ids"]) for r in rows]
-    data = TokenizedDataset.from_columns([r["input_ids"] for r in rows], [r["labels"] for r in rows],
+    data = TokenizedDataset.from_columns({"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]},
                                          [False] * len(rows), [0] * len(rows))
     packed_rows = PackedDataset(data, lengths, capacity=64)
     assert len(packed_rows) < len(rows)  # really packed
@@ -196,7 +194,8 @@ def test_best_fit_decreasing_fills_rows():
 
 
 def test_packed_row_never_trains_across_examples():
-    data = TokenizedDataset.from_columns([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], [False, False], [0, 0])
+    data = TokenizedDataset.from_columns({"input_ids": [[1, 2, 3], [4, 5]], "labels": [[1, 2, 3], [4, 5]]}, [False, False],
+                                         [0, 0])
     row = PackedDataset(data, [3, 2], capacity=8)[0]
     assert row["input_ids"].tolist() == [1, 2, 3, 4, 5]
     assert row["labels"].tolist() == [-100, 2, 3, -100, 5]  # each example's first token is nobody's target
@@ -207,7 +206,7 @@ def test_packed_row_never_trains_across_examples():
 def test_chunked_loss_with_bf16_hidden_states_and_fp32_master_weights(monkeypatch):
     """Full fine-tuning under bf16 autocast: bf16 hidden states, an fp32 head. The weight gradient accumulates in the
     weight's own dtype (fp32), several chunks of it, and matches autograd on the same bf16 products."""
-    from praisonai_accel import loss as loss_module
+    from praisonai_accel.methods import lm_loss as loss_module
 
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 300 * 5)  # 5 rows a chunk: 5 chunks
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.worker import checkpoint as ckpt
 from praisonai_accel.launcher.plan import free_port
 
 from conftest import cli, fault_env, read_summary, run, write_config

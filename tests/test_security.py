@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.worker import checkpoint as ckpt
 from praisonai_accel.config import ConfigError, parse_config
 from praisonai_accel.launcher.local import LauncherOutput
 from praisonai_accel.output_dirs import MARKER, NotOurs, check_replaceable, replace_with

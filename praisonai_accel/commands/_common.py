@@ -44,16 +44,14 @@ def tokenized_or_fail(config):
     Preprocessing shows progress bars on a terminal."""
     import sys
 
-    from ..data import ensure_chat_template, load_datasets
+    from ..data import load_datasets, load_tokenizer
     from ..logs import quiet_tokenizing
-    from ..model import load_tokenizer
 
     quiet_tokenizing(progress=sys.stderr.isatty())
     try:
         tokenizer = load_tokenizer(config)
     except (OSError, ValueError) as exc:
         fail(cannot_load_tokenizer(config, exc))
-    ensure_chat_template(tokenizer, config.chat_template)
     return (tokenizer, *load_datasets(config, tokenizer))
 
 

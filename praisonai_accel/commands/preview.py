@@ -19,7 +19,7 @@ def preview_command(
     """Tokenize exactly as training will (same cache) and show examples with the trained tokens highlighted."""
     from rich.console import Console
 
-    from ..chat_masking import IGNORE_INDEX
+    from ..data import IGNORE_INDEX
     from ..preview import dataset_rows, histogram, marked_text
 
     cfg = load_config(config)
@@ -38,7 +38,8 @@ def preview_command(
         typer.echo(f"=== {row['name']}")
         typer.echo(f"examples {row['examples']} of {row['rows']} | tokens {row['tokens']:,} | trained fraction "
                    f"{row['trained_fraction']:.1%} | truncated by max_seq_length {row['truncated']} "
-                   f"(response cut {row['response_cut']}) | dropped {row['dropped']}")
+                   f"(response cut {row['response_cut']}) | dropped {row['dropped']}"
+                   + (f" | invalid skipped {row['invalid']}" if row["invalid"] else ""))
         typer.echo(f"masking: {row['masking']}")
         typer.echo(f"lengths (max_seq_length {cfg.max_seq_length}):")
         for line in histogram(row["lengths"], cfg.max_seq_length):

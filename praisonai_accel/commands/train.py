@@ -141,10 +141,9 @@ def preprocess_beside_workers(cfg, status: Path) -> None:
     import sys
     import threading
 
-    from ..data import DataError, cached_for_inputs, ensure_chat_template, load_datasets
+    from ..data import DataError, cached_for_inputs, load_datasets, load_tokenizer
     from ..handoff import write_preprocessing_status
     from ..logs import quiet_datasets
-    from ..model import load_tokenizer
     from ._common import cannot_load_tokenizer
 
     write_preprocessing_status(status, "running")
@@ -159,11 +158,13 @@ def preprocess_beside_workers(cfg, status: Path) -> None:
         hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
         try:
             tokenizer = load_tokenizer(cfg)
+        except DataError as exc:
+            write_preprocessing_status(status, "failed", str(exc))
+            return
         except Exception as exc:
             write_preprocessing_status(status, "failed", cannot_load_tokenizer(cfg, exc))
             return
         try:
-            ensure_chat_template(tokenizer, cfg.chat_template)
             cached = load_datasets(cfg, tokenizer)[2]
         except DataError as exc:
             write_preprocessing_status(status, "failed", str(exc))

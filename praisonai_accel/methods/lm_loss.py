@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..chat_masking import IGNORE_INDEX
+from ..data.chat_masking import IGNORE_INDEX
 
 log = logging.getLogger("praisonai_accel")
 

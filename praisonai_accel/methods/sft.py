@@ -19,7 +19,7 @@ class SFT(TrainingMethod):
     def filler(self, example: dict) -> dict:
         import numpy as np
 
-        from ..chat_masking import IGNORE_INDEX
+        from ..data.chat_masking import IGNORE_INDEX
 
         return {**example, "labels": np.full(len(example["labels"]), IGNORE_INDEX, dtype=np.int64)}
 

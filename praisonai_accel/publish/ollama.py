@@ -45,7 +45,7 @@ class OllamaRecipe:
 
 def go_template(tokenizer) -> str | None:
     """Ollama's TEMPLATE for this tokenizer's chat template, or None when none reproduces it (said in one line)."""
-    from ..chat_masking import template_name
+    from ..data.chat_masking import template_name
     from .ollama_template import derive
 
     derived = derive(tokenizer)

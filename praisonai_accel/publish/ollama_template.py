@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..chat_masking import special_strings
+from ..data.chat_masking import special_strings
 
 _SYS, _U1, _A1, _U2 = "\x01SYSTEM\x01", "\x01USER-A\x01", "\x01REPLY-A\x01", "\x01USER-B\x01"
 # Verification renders on another day: a template that prints today's date cannot be a fixed TEMPLATE.

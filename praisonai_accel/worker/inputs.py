@@ -68,7 +68,7 @@ def train_loader(config: TrainConfig, dataset, collate, packing: bool):
     import torch
     from torch.utils.data import DataLoader
 
-    from ..packing import PackedDataset
+    from ..data.packing import PackedDataset
 
     common = {"batch_size": config.per_device_train_batch_size, "collate_fn": collate}
     lengths = dataset.lengths

@@ -23,7 +23,6 @@ from typing import Iterator
 
 from ..checks import final_model_dir_rule, resume_rule
 from ..config import ConfigError, TrainConfig
-from ..data import ensure_chat_template
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..handoff import VERBOSE_ENV
 from ..logs import quiet_libraries
@@ -116,7 +115,6 @@ class Recipe:
         self.model_commit = resolve_commit(config)
         pinned = config.model_copy(update={"revision": self.model_commit}) if self.model_commit else config
         model, self.tokenizer = load_model_and_tokenizer(pinned, self.env, self.backend, use_cuda, bf16)
-        ensure_chat_template(self.tokenizer, config.chat_template)
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))

@@ -110,7 +110,7 @@ def _patch_preflight(module) -> None:
 
 _PATCHES = {name: patch for name, patch, wanted in (
     ("accelerate.accelerator", _patch_accelerator, _SPEC), ("praisonai_accel.worker.checkpoint", _patch_checkpoint, _SPEC),
-    ("praisonai_accel.data", _patch_data, _PREPROCESS), ("praisonai_accel.methods.lm_loss", _patch_loss, _HANG or _SLOW_MICRO_BATCH),
+    ("praisonai_accel.data.preprocess", _patch_data, _PREPROCESS), ("praisonai_accel.methods.lm_loss", _patch_loss, _HANG or _SLOW_MICRO_BATCH),
     ("praisonai_accel.worker.preflight", _patch_preflight, _PREFLIGHT),
 ) if wanted}
 

@@ -6,6 +6,7 @@ Layout of output_dir/checkpoint-<step>/:
     scheduler.json             the LR scheduler's state (ints and floats), never a pickle
     adapter/                   a loadable PEFT adapter + tokenizer (LoRA runs)
     praisonai_state.json       step, epoch, position in the epoch, samples seen, world size, batch, config hash
+    MANIFEST.json              size and content hash of every file above (checkpoint_manifest), checked on resume
     COMPLETE                   written last; a checkpoint without it is ignored
 
 Everything is written into checkpoint-<step>.tmp and renamed once complete, so a crash mid-save
@@ -27,6 +28,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import checkpoint_manifest as manifest
 from .config import ConfigError
 from .sharded_state import load_sharded_state, reshard, save_sharded_state
 
@@ -102,6 +104,57 @@ def latest_complete(output_dir: Path, warn: bool = True) -> Path | None:
     return None
 
 
+SKIPPED: list[Path] = []  # checkpoints latest_intact passed over as damaged, for set_aside_skipped
+
+
+def latest_intact(output_dir: Path) -> Path:
+    """The newest complete checkpoint whose files match its manifest and can be read; each newer one that fails is
+    named in one warning line (a requeued job heals by itself). Refuses when none is intact."""
+    failed = []
+    for path in reversed(complete_checkpoints(output_dir)):
+        reason, said = manifest.checked(path, MARKER)
+        if reason is None:
+            try:
+                CheckpointState.read(path)
+                check_safe_to_load(path)
+            except ConfigError as exc:
+                reason = str(exc).removeprefix("resume_from_checkpoint: ")
+        manifest.remember(path, reason)
+        if reason is None:
+            return path
+        failed.append(f"{path.name}: {reason}")
+        SKIPPED.append(path)
+        (log.info if said else log.warning)("warning: skipping %s, which failed verification: %s; resuming from an "
+                                            "older checkpoint", path.name, reason)
+    raise ConfigError(f"output_dir: no checkpoint in {output_dir} is intact ({'; '.join(failed[:2])}); move them "
+                      "away, or set overwrite_output_dir: true to start over")
+
+
+def set_aside_skipped() -> None:
+    """Rank 0 of the training job, once it resumes from an older checkpoint: damaged newer ones are renamed."""
+    manifest.set_aside([p for p in SKIPPED if p.is_dir()])
+    SKIPPED.clear()
+
+
+def resume_point_on_main(accelerator, decide) -> Path | None:
+    """The main process verifies (one hash pass, one set of warnings) and tells every rank what it found."""
+    if accelerator.num_processes == 1:
+        return decide()
+    from accelerate.utils import broadcast_object_list
+
+    answer = [None, None]
+    if accelerator.is_main_process:
+        try:
+            found = decide()
+            answer = [str(found) if found else None, None]
+        except ConfigError as exc:
+            answer = [None, str(exc)]
+    broadcast_object_list(answer)
+    if answer[1]:
+        raise ConfigError(answer[1])
+    return Path(answer[0]) if answer[0] else None
+
+
 def differences(saved: CheckpointState, identity: dict) -> str:
     """The keys that make the checkpoint's run another run, as the user wrote them."""
     if saved.run_identity is None:
@@ -121,6 +174,8 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
             raise ConfigError(f"resume_from_checkpoint: no such checkpoint directory '{resume}'")
         if not is_complete(path):
             raise ConfigError(f"resume_from_checkpoint: '{resume}' is incomplete (no {MARKER} marker); it was interrupted while saving")
+        if reason := manifest.checked(path, MARKER)[0]:
+            raise ConfigError(f"resume_from_checkpoint: '{resume}' failed verification: {reason}; nothing was loaded or deleted")
         saved = CheckpointState.read(path)
         if saved.run_fingerprint != run_fingerprint and not force:
             raise ConfigError(
@@ -137,7 +192,7 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
             f"output_dir: {output_dir} already holds checkpoints ({existing[-1].name}); set resume_from_checkpoint: true "
             "to continue, or overwrite_output_dir: true to start over"
         )
-    latest = latest_complete(output_dir)
+    latest = latest_intact(output_dir)
     saved = CheckpointState.read(latest)
     if saved.run_fingerprint != run_fingerprint:
         raise ConfigError(
@@ -319,6 +374,7 @@ def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_
     if accelerator.is_main_process:
         save_scheduler(scheduler, tmp)
         state.write(tmp)
+        manifest.write_manifest(tmp, MARKER)
         (tmp / MARKER).write_text(str(state.global_step))
         if final.exists():
             shutil.rmtree(final)

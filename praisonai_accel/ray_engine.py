@@ -42,7 +42,7 @@ def worker_environment(cpu: bool) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("HF_HUB_OFFLINE", "HF_HOME", "PYTHONPATH"):
+    for name in ("HF_HUB_OFFLINE", "HF_HOME", "PYTHONPATH", "PRAISONAI_ACCEL_RUN_LOCK"):
         if name in os.environ:
             env[name] = os.environ[name]
     return env

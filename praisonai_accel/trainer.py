@@ -367,9 +367,11 @@ class Recipe:
 
     def _find_resume_point(self) -> Path | None:
         config = self.config
-        resume = ckpt.checkpoint_to_resume(self.output_dir, config.resume_from_checkpoint, config.run_fingerprint(),
-                                           config.overwrite_output_dir, config.run_identity(), config.force_resume)
+        resume = ckpt.resume_point_on_main(self.accelerator, lambda: ckpt.checkpoint_to_resume(
+            self.output_dir, config.resume_from_checkpoint, config.run_fingerprint(), config.overwrite_output_dir,
+            config.run_identity(), config.force_resume))
         if self.accelerator.is_main_process:
+            ckpt.set_aside_skipped()
             if config.overwrite_output_dir and resume is None:
                 ckpt.clear_checkpoints(self.output_dir)
             ckpt.remove_stale_temporaries(self.output_dir)

@@ -72,13 +72,17 @@ def check_checkpointing(config, num_processes: int) -> None:
 
 def check_resume(config, num_processes: int) -> str:
     """Refuse a resume that the training module would refuse, before any process starts; describe the start."""
+    import os
+
     from .. import checkpoint as ckpt
+    from .. import checkpoint_manifest as manifest
     from ..config import ConfigError
 
     try:
         start = ckpt.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint,
                                           config.run_fingerprint(), config.overwrite_output_dir, config.run_identity(),
                                           config.force_resume)
+        os.environ.update(manifest.verdicts_env())  # the workers inherit what was verified here
         if start is None:
             return "fresh start"
         ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes, config.per_device_train_batch_size)

@@ -136,6 +136,8 @@ def train_command(
         plan.env[VERBOSE_ENV] = "1"
     if plan.num_processes > 1 and not dry_run:
         plan.env[MEMORY_NOTE_ENV] = memory_note(cfg, per_node, fsdp)
+    if not dry_run:
+        hold_run_lock(cfg, nodes, plan.env)
 
     check_device_map(cfg, plan.num_processes)
     check_checkpointing(cfg, plan.num_processes)
@@ -190,10 +192,23 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
     check_hub_access(cfg)
     from ._common import tokenized_or_fail
 
+    import os
+
+    hold_run_lock(cfg, None, os.environ)  # the Ray workers' environment is copied from ours
     tokenized_or_fail(cfg)  # once, here: the workers only read the cache
     typer.echo(f"launching {num_workers} Ray Train worker(s), effective batch {cfg.per_device_train_batch_size} x "
                f"{cfg.gradient_accumulation_steps} x {num_workers}", err=True)
     raise typer.Exit(run_with_ray(config, cfg, num_workers, address, cpu, max_restarts))
+
+
+def hold_run_lock(cfg, nodes, env) -> None:
+    """One run per output_dir, held until this process exits; refused in one line when another run holds it."""
+    from ..run_lock import RunLocked, launcher_lock
+
+    try:
+        launcher_lock(cfg.output_path(), nodes, env)
+    except (RunLocked, OSError) as exc:
+        fail(first_line(exc))
 
 
 def preprocess_beside_workers(cfg, plan) -> Path:

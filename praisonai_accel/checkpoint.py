@@ -124,7 +124,7 @@ def latest_intact(output_dir: Path) -> Path:
             return path
         failed.append(f"{path.name}: {reason}")
         SKIPPED.append(path)
-        (log.info if said else log.warning)("warning: skipping %s, which failed verification: %s; resuming from an "
+        (logging.getLogger("praisonai_accel.file").info if said else log.warning)("warning: skipping %s, which failed verification: %s; resuming from an "
                                             "older checkpoint", path.name, reason)
     raise ConfigError(f"output_dir: no checkpoint in {output_dir} is intact ({'; '.join(failed[:2])}); move them "
                       "away, or set overwrite_output_dir: true to start over")

@@ -112,22 +112,31 @@ def latest_intact(output_dir: Path) -> Path:
     named in one warning line (a requeued job heals by itself). Refuses when none is intact."""
     failed = []
     for path in reversed(complete_checkpoints(output_dir)):
-        reason, said = manifest.checked(path, MARKER)
-        if reason is None:
-            try:
-                CheckpointState.read(path)
-                check_safe_to_load(path)
-            except ConfigError as exc:
-                reason = str(exc).removeprefix("resume_from_checkpoint: ")
-        manifest.remember(path, reason)
+        reason, said = trouble(path)
         if reason is None:
             return path
         failed.append(f"{path.name}: {reason}")
         SKIPPED.append(path)
-        (logging.getLogger("praisonai_accel.file").info if said else log.warning)("warning: skipping %s, which failed verification: %s; resuming from an "
-                                            "older checkpoint", path.name, reason)
+        say = logging.getLogger("praisonai_accel.file").info if said else log.warning  # the launcher said it already
+        say("warning: skipping %s, which failed verification: %s; resuming from an older checkpoint", path.name, reason)
     raise ConfigError(f"output_dir: no checkpoint in {output_dir} is intact ({'; '.join(failed[:2])}); move them "
                       "away, or set overwrite_output_dir: true to start over")
+
+
+def trouble(path: Path) -> tuple[str | None, bool]:
+    """Why a complete checkpoint cannot be resumed from (damaged, unreadable) or None, and whether the launcher
+    already said so. A file whose pickle would run code is not damage: UnsafeCheckpoint, refused, never skipped."""
+    reason, said = manifest.checked(path, MARKER)
+    try:
+        check_safe_to_load(path)
+        if reason is None:
+            CheckpointState.read(path)
+    except UnsafeCheckpoint:
+        raise
+    except ConfigError as exc:
+        reason = reason or str(exc).removeprefix("resume_from_checkpoint: ")
+    manifest.remember(path, reason)
+    return reason, said
 
 
 def set_aside_skipped() -> None:
@@ -174,7 +183,7 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
             raise ConfigError(f"resume_from_checkpoint: no such checkpoint directory '{resume}'")
         if not is_complete(path):
             raise ConfigError(f"resume_from_checkpoint: '{resume}' is incomplete (no {MARKER} marker); it was interrupted while saving")
-        if reason := manifest.checked(path, MARKER)[0]:
+        if reason := trouble(path)[0]:
             raise ConfigError(f"resume_from_checkpoint: '{resume}' failed verification: {reason}; nothing was loaded or deleted")
         saved = CheckpointState.read(path)
         if saved.run_fingerprint != run_fingerprint and not force:
@@ -203,6 +212,10 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
     return latest
 
 
+class UnsafeCheckpoint(ConfigError):
+    """A checkpoint file whose pickle would call something other than tensor and RNG-state constructors."""
+
+
 def _torch_files(checkpoint: Path) -> list[Path]:
     """The files of a checkpoint that Accelerate reads with torch.load (the adapter/ folder is never loaded)."""
     return sorted(p for p in Path(checkpoint).iterdir() if p.is_file() and p.suffix not in DATA_SUFFIXES
@@ -223,7 +236,7 @@ def check_safe_to_load(checkpoint: Path) -> None:
             raise ConfigError(f"resume_from_checkpoint: {path} cannot be loaded safely (not a torch.save archive: "
                               f"{type(exc).__name__}); refusing to resume from {Path(checkpoint).name}") from None
         if unsafe:
-            raise ConfigError(f"resume_from_checkpoint: {path} cannot be loaded safely (its pickle calls "
+            raise UnsafeCheckpoint(f"resume_from_checkpoint: {path} cannot be loaded safely (its pickle calls "
                               f"{', '.join(sorted(unsafe)[:3])}); refusing to resume from {Path(checkpoint).name}")
 
 

@@ -104,9 +104,6 @@ def latest_complete(output_dir: Path, warn: bool = True) -> Path | None:
     return None
 
 
-SKIPPED: list[Path] = []  # checkpoints latest_intact passed over as damaged, for set_aside_skipped
-
-
 def latest_intact(output_dir: Path) -> Path:
     """The newest complete checkpoint whose files match its manifest and can be read; each newer one that fails is
     named in one warning line (a requeued job heals by itself). Refuses when none is intact."""
@@ -116,7 +113,7 @@ def latest_intact(output_dir: Path) -> Path:
         if reason is None:
             return path
         failed.append(f"{path.name}: {reason}")
-        SKIPPED.append(path)
+        manifest.SKIPPED.append(path)
         say = logging.getLogger("praisonai_accel.file").info if said else log.warning  # the launcher said it already
         say("warning: skipping %s, which failed verification: %s; resuming from an older checkpoint", path.name, reason)
     raise ConfigError(f"output_dir: no checkpoint in {output_dir} is intact ({'; '.join(failed[:2])}); move them "
@@ -137,31 +134,6 @@ def trouble(path: Path) -> tuple[str | None, bool]:
         reason = reason or str(exc).removeprefix("resume_from_checkpoint: ")
     manifest.remember(path, reason)
     return reason, said
-
-
-def set_aside_skipped() -> None:
-    """Rank 0 of the training job, once it resumes from an older checkpoint: damaged newer ones are renamed."""
-    manifest.set_aside([p for p in SKIPPED if p.is_dir()])
-    SKIPPED.clear()
-
-
-def resume_point_on_main(accelerator, decide) -> Path | None:
-    """The main process verifies (one hash pass, one set of warnings) and tells every rank what it found."""
-    if accelerator.num_processes == 1:
-        return decide()
-    from accelerate.utils import broadcast_object_list
-
-    answer = [None, None]
-    if accelerator.is_main_process:
-        try:
-            found = decide()
-            answer = [str(found) if found else None, None]
-        except ConfigError as exc:
-            answer = [None, str(exc)]
-    broadcast_object_list(answer)
-    if answer[1]:
-        raise ConfigError(answer[1])
-    return Path(answer[0]) if answer[0] else None
 
 
 def differences(saved: CheckpointState, identity: dict) -> str:

@@ -156,6 +156,15 @@ def verdicts_env() -> dict[str, str]:
     return {CHECKED_ENV: json.dumps(_VERDICTS)} if _VERDICTS else {}
 
 
+SKIPPED: list[Path] = []  # checkpoints checkpoint.latest_intact passed over, for set_aside_skipped
+
+
+def set_aside_skipped() -> None:
+    """Rank 0 of the training job, once it resumes from an older checkpoint: damaged newer ones are renamed."""
+    set_aside([p for p in SKIPPED if p.is_dir()])
+    SKIPPED.clear()
+
+
 def set_aside(directories: list[Path]) -> list[Path]:
     """Rename checkpoints that failed verification to NAME.damaged: kept for a look, but no longer the newest
     checkpoint that rotation protects and every later resume would skip again."""
@@ -174,3 +183,24 @@ def set_aside(directories: list[Path]) -> list[Path]:
         logging.getLogger("praisonai_accel").info("renamed %s, which failed verification, to %s", path.name, target.name)
         moved.append(target)
     return moved
+
+
+def resume_point_on_main(accelerator, decide) -> Path | None:
+    """The main process verifies (one hash pass, one set of warnings) and tells every rank what it found."""
+    if accelerator.num_processes == 1:
+        return decide()
+    from accelerate.utils import broadcast_object_list
+
+    from .config import ConfigError
+
+    answer = [None, None]
+    if accelerator.is_main_process:
+        try:
+            found = decide()
+            answer = [str(found) if found else None, None]
+        except ConfigError as exc:  # every rank raises it, as when each decided alone
+            answer = [None, str(exc)]
+    broadcast_object_list(answer)
+    if answer[1]:
+        raise ConfigError(answer[1])
+    return Path(answer[0]) if answer[0] else None

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import checkpoint as ckpt
+from .checkpoint_manifest import resume_point_on_main, set_aside_skipped
 from .config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
 from .data import (
     PREPROCESSING_ENV, LengthGroupedSampler, PadCollator, batch_targets, cache_dir, ensure_chat_template, load_datasets,
@@ -367,11 +368,11 @@ class Recipe:
 
     def _find_resume_point(self) -> Path | None:
         config = self.config
-        resume = ckpt.resume_point_on_main(self.accelerator, lambda: ckpt.checkpoint_to_resume(
+        resume = resume_point_on_main(self.accelerator, lambda: ckpt.checkpoint_to_resume(
             self.output_dir, config.resume_from_checkpoint, config.run_fingerprint(), config.overwrite_output_dir,
             config.run_identity(), config.force_resume))
         if self.accelerator.is_main_process:
-            ckpt.set_aside_skipped()
+            set_aside_skipped()
             if config.overwrite_output_dir and resume is None:
                 ckpt.clear_checkpoints(self.output_dir)
             ckpt.remove_stale_temporaries(self.output_dir)

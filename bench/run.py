@@ -427,6 +427,53 @@ def full_fine_tuning(work: Path, args) -> dict:
             "max_seq_length": args.realistic_length, "steps": args.realistic_steps, "table": table}
 
 
+def manifest_cost(work: Path, args) -> dict:
+    """What MANIFEST.json (size + content hash of every checkpoint file) costs a save: LoRA and full fine-tuning
+    checkpoints of the toy model and of the realistic one (128k vocabulary, 143M parameters). save_seconds is the
+    whole save as the run logs it, hash included; hash_seconds hashes the same files again right after, as the save
+    does (page cache warm); verify_seconds is what a resume adds."""
+    from praisonai_accel.checkpoint import MARKER
+    from praisonai_accel.checkpoint_manifest import damage, fast_algorithm, write_manifest
+
+    models = {"toy": make_tiny_model(work / "model-manifest", hidden_size=256, layers=4),
+              "realistic": work / "model-128k"}
+    if not models["realistic"].exists():
+        make_realistic_model(models["realistic"])
+    data = work / "manifest.jsonl"
+    write_jsonl(demo_records(64, seed=3), data)
+    table = {}
+    for model_name, model in models.items():
+        for method in ("lora", "full"):
+            name = f"manifest_{model_name}_{method}"
+            out = work / name
+            config = demo_config(model, data, out, max_steps=2, save_steps=2, per_device_train_batch_size=2,
+                                 max_seq_length=64, logging_steps=1, finetune_type=method, final_model_dir="model",
+                                 learning_rate=1e-5)
+            (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
+            subprocess.run([sys.executable, "-m", "praisonai_accel", "train", str(work / f"{name}.yaml")], env=cpu_env(),
+                           check=True, capture_output=True)
+            saves = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            save = next(r for r in saves if "checkpoint" in r)
+            checkpoint = out / save["checkpoint"]
+            started = time.perf_counter()
+            write_manifest(checkpoint, MARKER)
+            hashed = time.perf_counter() - started
+            started = time.perf_counter()
+            assert damage(checkpoint, MARKER) is None
+            table[f"{model_name}, {method}"] = {"checkpoint_mib": _size_mib(checkpoint), "save_seconds": save["save_seconds"],
+                                                "hash_seconds": hashed, "verify_seconds": time.perf_counter() - started}
+    return {"algorithm": fast_algorithm(), "table": table}
+
+
+def report_manifest(result: dict) -> list[str]:
+    lines = ["", f"checkpoint manifest ({result['algorithm']}): size, save (hash included), hash alone, verify on resume"]
+    for name, row in result["table"].items():
+        lines.append(f"  {name:<18} {row['checkpoint_mib']:8.1f} MiB  save {row['save_seconds']:6.2f} s  hash "
+                     f"{row['hash_seconds']:6.3f} s ({100 * row['hash_seconds'] / row['save_seconds']:.0f}%)  verify "
+                     f"{row['verify_seconds']:6.3f} s")
+    return lines
+
+
 def report_full(full: dict) -> list[str]:
     lines = ["", f"full fine-tuning: vocabulary {full['vocab_size']:,}, hidden {full['hidden_size']}, {full['layers']} "
                  f"layers, batch {full['batch']} x {full['max_seq_length']}-token rows (peak RSS per process)",
@@ -537,10 +584,10 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=4000, help="training examples")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--case", choices=["all", "toy", "realistic", "full", "sweep"], default="all",
+    parser.add_argument("--case", choices=["all", "toy", "realistic", "full", "sweep", "manifest"], default="all",
                         help="toy: the 30-token rows of the tiny model; realistic: 128k vocabulary, long rows; full: full "
                              "fine-tuning at the realistic shape (chunked vs full logits, DDP vs FSDP2); sweep: 512-2048 "
-                             "token rows x 32k-262k vocabularies")
+                             "token rows x 32k-262k vocabularies; manifest: what hashing adds to a save (not in all)")
     parser.add_argument("--realistic-steps", type=int, default=12, help="steps of the realistic case: 2 rows each")
     parser.add_argument("--realistic-length", type=int, default=512, help="max_seq_length of the realistic case")
     parser.add_argument("--sweep-rows", type=int, default=8, help="rows (= steps, batch 1) of each sweep point")
@@ -548,6 +595,12 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="praisonai-accel-bench-"))
     try:
+        if args.case == "manifest":
+            result = manifest_cost(work, args)
+            print("\n".join(report_manifest(result)))
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"manifest-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(result, indent=2))
+            return 0
         toy = args.case in ("all", "toy")
         model = make_tiny_model(work / "model", hidden_size=256, layers=4) if toy else None
         data = write_jsonl(demo_records(args.records, seed=1), work / "data.jsonl")

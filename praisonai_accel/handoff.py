@@ -19,6 +19,8 @@ VERBOSE_ENV = "PRAISONAI_ACCEL_VERBOSE"  # train --verbose: the libraries' own o
 TTY_ENV = "PRAISONAI_ACCEL_TTY"  # the user's console is a terminal, though the launcher pipes the workers' stderr
 MEMORY_NOTE_ENV = "PRAISONAI_ACCEL_MEMORY_NOTE"  # what a worker killed by SIGKILL most likely ran out of
 PREPROCESSING_ENV = "PRAISONAI_ACCEL_PREPROCESSING"  # the status file of a launcher that tokenizes for its workers
+RUN_LOCK_ENV = "PRAISONAI_ACCEL_RUN_LOCK"  # the launcher holds output_dir's run lock for the job (run_lock.py)
+CHECKED_CHECKPOINTS_ENV = "PRAISONAI_ACCEL_CHECKED_CHECKPOINTS"  # checkpoints the launcher verified, and its verdicts
 
 T = TypeVar("T")
 
@@ -27,9 +29,13 @@ class HandoffFailed(Exception):
     """The process this one waited for failed; the message is its one line."""
 
 
-def worker_environment(*, verbose: bool = False, memory_note: str = "", preprocessing_status: Path | None = None
-                       ) -> dict[str, str]:
+def worker_environment(*, verbose: bool = False, memory_note: str = "", preprocessing_status: Path | None = None,
+                       run_lock: bool = False, checked_checkpoints: dict[str, str] | None = None) -> dict[str, str]:
     env = {}
+    if run_lock:
+        env[RUN_LOCK_ENV] = "launcher"
+    if checked_checkpoints:
+        env[CHECKED_CHECKPOINTS_ENV] = json.dumps(checked_checkpoints)
     if verbose:
         env[VERBOSE_ENV] = "1"
     if memory_note:

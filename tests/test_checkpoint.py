@@ -149,28 +149,33 @@ def test_epoch_boundary_resume(tmp_path, tiny_model, alpaca_file):
 
 
 def test_rotation_keeps_the_best_and_early_stopping_ends_every_rank(tmp_path, tiny_model, alpaca_file):
-    """A learning rate this high improves the eval loss, then makes it worse: the best step comes before the last.
-    save_total_limit 1 keeps the newest checkpoint and the best; the final adapter is the best one's."""
+    """Early stopping by its rule, on any machine: with early_stopping_threshold 1000 no evaluation can improve on the
+    best by that much, so patience 3 runs out at the 4th evaluation (step 8 of 30) whatever the losses are. The best
+    checkpoint is the one of the lowest eval loss recorded (the first of equal ones); save_total_limit 1 keeps it and
+    the newest; the final adapter is the best one's. (A learning rate this high usually makes the best come before
+    the last, so rotation keeps two; rotate's own test covers that case for certain.)"""
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=30, val_split_ratio=0.25, eval_steps=2,
                           save_steps=2, save_total_limit=1, load_best_model_at_end=True, early_stopping_patience=3,
-                          learning_rate=0.3, lr_scheduler_type="constant", warmup_steps=0)
+                          early_stopping_threshold=1000.0, learning_rate=0.3, lr_scheduler_type="constant",
+                          warmup_steps=0)
     result = cli("train", str(config), *TWO)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     summary = read_summary(out)
-    assert summary["stopped_early"] and summary["global_step"] < 30
+    assert summary["stopped_early"] and summary["global_step"] == 8
     evals = [m for m in read_metrics(out) if "eval_loss" in m]
-    assert len(evals) == summary["global_step"] // 2
+    assert [m["step"] for m in evals] == [2, 4, 6, 8]
     best_eval = min(evals, key=lambda m: m["eval_loss"])
     assert summary["best_checkpoint"] == f"checkpoint-{best_eval['step']}"
-    last = f"checkpoint-{summary['global_step']}"
-    assert best_eval["step"] < summary["global_step"] and evals[-1]["eval_loss"] > best_eval["eval_loss"]
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == [summary["best_checkpoint"], last]
+    last = "checkpoint-8"
+    kept = [summary["best_checkpoint"]] + ([last] if summary["best_checkpoint"] != last else [])
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == kept
     best = load_adapter(out / summary["best_checkpoint"] / "adapter")
     newest = load_adapter(out / last / "adapter")
     final = load_adapter(out / "lora_model")
     assert all(torch.equal(best[k], final[k]) for k in final)
-    assert not all(torch.equal(newest[k], final[k]) for k in final)
+    if summary["best_checkpoint"] != last:
+        assert not all(torch.equal(newest[k], final[k]) for k in final)
     assert not _workers_of(config)
 
 

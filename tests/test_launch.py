@@ -273,3 +273,25 @@ def test_a_worker_ended_by_a_signal_is_explained_in_one_line():
     assert "SIGBUS" in describe_worker_death(0, -signals.SIGBUS) and "/dev/shm" in describe_worker_death(0, -signals.SIGBUS)
     assert describe_worker_death(0, -signals.SIGSEGV).startswith("rank 0 crashed (SIGSEGV")
     assert describe_worker_death(0, 1) is None
+
+
+def test_a_rank_killed_by_a_signal_is_named_though_its_peer_failed_first():
+    """The report torchrun gave when rank 1 was SIGKILLed and rank 0 died of 'Connection reset by peer' in the same
+    second: rank 0 is the 'root cause' (ties go to the lower rank); the signal death is the one to name."""
+    import io
+
+    from praisonai_accel.launch import LauncherOutput
+
+    report = TORCHRUN_REPORT.replace("rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 16675)  (SIGTERM)",
+                                     "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16676)  (SIGKILL)", 1)
+    report = report.replace("rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16676)  (SIGKILL)\n  error_file",
+                            "rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 16675)\n  error_file")
+    relay = LauncherOutput(io.StringIO())
+    for line in report.splitlines(keepends=True):
+        relay.feed(line)
+    assert relay.root_cause == (0, 1) and relay.failures == [(1, -9), (0, 1)]
+    assert relay.culprit() == (1, -9)
+    relay = LauncherOutput(io.StringIO())
+    for line in TORCHRUN_REPORT.splitlines(keepends=True):  # SIGTERM (the agent stopping a rank) is the last choice
+        relay.feed(line)
+    assert relay.culprit() == (1, -9)

@@ -4,6 +4,7 @@ reentrant checkpointing under DDP. Real 2-process runs on CPU/gloo, with faults 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -166,3 +167,32 @@ def test_preflight_warns_of_a_small_dev_shm_and_of_too_little_ram_and_disk(tmp_p
     assert warnings[1].startswith("host RAM: 8 process(es) here each load a full copy of the model")
     assert warnings[2].startswith("disk: 3 checkpoint(s) of full fine-tuning and the final model need about")
     assert resource_warnings(config, 8, cuda=False, fsdp=True, available_ram=4 * weights, free_disk=100 * weights) == []
+
+
+def test_a_worker_killed_by_sigkill_is_named_even_when_its_peer_fails_first(tmp_path, tiny_model, alpaca_file):
+    """What the out-of-memory killer does: SIGKILL to rank 1 mid-run. Rank 0 then fails in its next all-reduce
+    ('Connection reset by peer'), usually in the same second, which torchrun's report gives as the root cause;
+    the one line must still name rank 1 and the signal, with what this machine's processes hold in memory. Rank 1
+    is killed while it sleeps inside step 3 and rank 0 waits for it in that step's all-reduce, so that rank 0 fails
+    at once; torchrun's agent, looking every 2 s here, notices both together and names rank 0, the lower one, as
+    the root cause: the report of the run that lost its explanation."""
+    from pathlib import Path
+
+    from test_training import _workers_of
+
+    config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=200, logging_steps=1)
+    proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), *TWO],
+                            env=fault_env(HANG="1:3", MONITOR_INTERVAL="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path / "out", 2, proc)
+    time.sleep(2)  # rank 1 asleep in step 3's forward, rank 0 in its all-reduce
+    victims = [pid for pid in _workers_of(config) if "praisonai_accel.train" in Path(f"/proc/{pid}/cmdline").read_text()
+               and "\0RANK=1\0" in "\0" + Path(f"/proc/{pid}/environ").read_text(errors="replace")]
+    assert len(victims) == 1
+    os.kill(victims[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith("error: rank 1 was killed (SIGKILL), most likely by the out-of-memory killer: each of "
+                                "the 2 processes on this machine loads a full copy of the model"), errors[0]
+    assert "Traceback" not in stderr and not workers_left(config)

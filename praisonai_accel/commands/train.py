@@ -55,6 +55,7 @@ def train_command(
     from ..launcher.accelerate_config import read_accelerate_config, total_processes
     from ..launcher.local import launch
     from ..launcher.plan import count_cuda_gpus, memory_note, plan_launch, resolve_nodes, resolve_processes
+    from ..worker.checkpoint_manifest import verdicts
 
     cfg = load_config(config)
     check_local_inputs(cfg)
@@ -70,13 +71,19 @@ def train_command(
     # Only a generated multi-GPU accelerate config records the precision; the training module decides anyway.
     on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
     precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and gpu_has_bf16())
-    status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     processes, here = per_node * nodes.count, per_node
     if accelerate_config is not None:
         accel = read_accelerate_config(accelerate_config)
         processes = total_processes(accel)
         here = max(1, processes // int(accel.get("num_machines", 1) or 1))
-    handoff = worker_environment(verbose=verbose, preprocessing_status=status,
+
+    start = check_before_launch(cfg, processes)
+    if not dry_run:
+        check_hub_access(cfg)
+        hold_run_lock(cfg, nodes)
+    status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
+    handoff = worker_environment(verbose=verbose, preprocessing_status=status, run_lock=not dry_run,
+                                 checked_checkpoints=verdicts(),
                                  memory_note=memory_note(cfg, here, fsdp) if processes > 1 and not dry_run else "")
     try:
         plan = plan_launch(config, cfg, num_processes=per_node, gpu_ids=gpu_ids, cpu=cpu, mixed_precision=precision,
@@ -84,10 +91,6 @@ def train_command(
                            worker_env=handoff)
     except (ValueError, OSError, yaml.YAMLError) as exc:
         fail(first_line(exc))
-
-    start = check_before_launch(cfg, plan.num_processes)
-    if not dry_run:
-        check_hub_access(cfg)
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     effective = f"{per_device} x {accum} x {plan.num_processes} = {per_device * accum * plan.num_processes}"
     if dry_run:
@@ -126,12 +129,26 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
         typer.echo(f"# Ray Train: {num_workers} worker(s) on {address or 'a local Ray instance'}; start: {start}")
         raise typer.Exit(0)
     check_hub_access(cfg)
+    hold_run_lock(cfg, None)
+    from ..handoff import worker_environment
+    from ..worker.checkpoint_manifest import verdicts
     from ._common import tokenized_or_fail
 
     tokenized_or_fail(cfg)  # once, here: the workers only read the cache
     typer.echo(f"launching {num_workers} Ray Train worker(s), effective batch {cfg.per_device_train_batch_size} x "
                f"{cfg.gradient_accumulation_steps} x {num_workers}", err=True)
-    raise typer.Exit(run_with_ray(config, cfg, num_workers, address, cpu, max_restarts))
+    handoff = worker_environment(run_lock=True, checked_checkpoints=verdicts())
+    raise typer.Exit(run_with_ray(config, cfg, num_workers, address, cpu, max_restarts, handoff))
+
+
+def hold_run_lock(cfg, nodes) -> None:
+    """One run per output_dir, held until this process exits; refused in one line when another run holds it."""
+    from ..run_lock import RunLocked, launcher_lock
+
+    try:
+        launcher_lock(cfg.output_path(), nodes)
+    except (RunLocked, OSError) as exc:
+        fail(first_line(exc))
 
 
 def preprocess_beside_workers(cfg, status: Path) -> None:

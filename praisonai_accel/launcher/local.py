@@ -61,6 +61,7 @@ class LauncherOutput:
         self.rules_seen = 0
         self.worker_error = False
         self.root_cause: tuple[int, int] | None = None  # (rank, exitcode) of the first worker that failed
+        self.failures: list[tuple[int, int]] = []  # every (rank, exitcode) the report lists, root cause included
         self._in_root_cause = False
         self._rank: int | None = None
 
@@ -83,14 +84,31 @@ class LauncherOutput:
         return bool(_ELASTIC_LOG.match(line))
 
     def _read_report(self, line: str) -> None:
-        """torchrun's 'Root Cause (first observed failure)' entry: which rank, and how it ended."""
+        """Every entry of torchrun's report (its 'Failures:' and its 'Root Cause (first observed failure)'): which
+        rank, and how it ended."""
         if line.startswith("Root Cause"):
             self._in_root_cause = True
-        elif self._in_root_cause and self.root_cause is None:
-            if match := _REPORT_RANK.match(line):
-                self._rank = int(match.group(1))
-            elif (match := _REPORT_EXIT.match(line)) and self._rank is not None:
-                self.root_cause = (self._rank, int(match.group(1)))
+        elif match := _REPORT_RANK.match(line):
+            self._rank = int(match.group(1))
+        elif (match := _REPORT_EXIT.match(line)) and self._rank is not None:
+            failure = (self._rank, int(match.group(1)))
+            self._rank = None
+            if failure not in self.failures:
+                self.failures.append(failure)
+            if self._in_root_cause and self.root_cause is None:
+                self.root_cause = failure
+
+    def culprit(self) -> tuple[int, int] | None:
+        """The failure to name. torchrun's root cause is only the first it noticed, and ranks that fail in the same
+        second are ordered by rank: a rank that lost its peer (its all-reduce read 'Connection reset by peer')
+        often comes before the rank a signal killed, which is the one to name. A SIGTERM is the last choice: the
+        agent sends it to stop the others."""
+        def preference(failure: tuple[int, int]) -> int:
+            code = failure[1]
+            return 0 if code < 0 and code != -signal.SIGTERM else 1 if code < 0 else 2
+
+        candidates = ([self.root_cause] if self.root_cause else []) + self.failures
+        return min(candidates, key=preference) if candidates else None
 
     def feed(self, line: str) -> None:
         if self._dropped(line):
@@ -136,7 +154,8 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
         except (ProcessLookupError, PermissionError):
             pass
     if output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
-        death = describe_worker_death(*output.root_cause, full_env.get(MEMORY_NOTE_ENV, "")) if output.root_cause else None
+        culprit = output.culprit()
+        death = describe_worker_death(*culprit, full_env.get(MEMORY_NOTE_ENV, "")) if culprit else None
         if death:
             sys.stderr.write(f"error: {death} (each rank's log is in output_dir/logs/)\n")
         else:

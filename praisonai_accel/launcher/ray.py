@@ -37,7 +37,7 @@ def _worker_loop(settings: dict) -> None:
                            f"(its log is in output_dir/logs/)")
 
 
-def worker_environment(cpu: bool) -> dict[str, str]:
+def worker_environment(cpu: bool, handoff: dict[str, str] | None = None) -> dict[str, str]:
     """Set when each worker process starts, before it imports torch (which reads TORCH_CPP_LOG_LEVEL then)."""
     env = {"TOKENIZERS_PARALLELISM": "false", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     if cpu:
@@ -45,16 +45,16 @@ def worker_environment(cpu: bool) -> dict[str, str]:
     for name in ("HF_HUB_OFFLINE", "HF_HOME", "PYTHONPATH"):
         if name in os.environ:
             env[name] = os.environ[name]
-    return env
+    return {**env, **(handoff or {})}
 
 
 def run_with_ray(config_path: Path, config: TrainConfig, num_workers: int, address: str | None, cpu: bool,
-                 max_restarts: int) -> int:
+                 max_restarts: int, handoff: dict[str, str] | None = None) -> int:
     ray = import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    runtime_env = {"env_vars": worker_environment(cpu)}
+    runtime_env = {"env_vars": worker_environment(cpu, handoff)}
     if address:
         ray.init(address=address, runtime_env=runtime_env)
     else:

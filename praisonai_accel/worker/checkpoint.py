@@ -6,6 +6,7 @@ Layout of output_dir/checkpoint-<step>/:
     scheduler.json             the LR scheduler's state (ints and floats), never a pickle
     adapter/                   a loadable PEFT adapter + tokenizer (LoRA runs)
     praisonai_state.json       step, epoch, position in the epoch, samples seen, world size, batch, config hash
+    MANIFEST.json              size and content hash of every file above (checkpoint_manifest), checked on resume
     COMPLETE                   written last; a checkpoint without it is ignored
 
 Everything is written into checkpoint-<step>.tmp and renamed once complete, so a crash mid-save
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from . import checkpoint_manifest as manifest
 from .sharded_state import load_sharded_state, reshard, save_sharded_state
 
 log = logging.getLogger("praisonai_accel")
@@ -102,6 +104,38 @@ def latest_complete(output_dir: Path, warn: bool = True) -> Path | None:
     return None
 
 
+def latest_intact(output_dir: Path) -> Path:
+    """The newest complete checkpoint whose files match its manifest and can be read; each newer one that fails is
+    named in one warning line (a requeued job heals by itself). Refuses when none is intact."""
+    failed = []
+    for path in reversed(complete_checkpoints(output_dir)):
+        reason, said = trouble(path)
+        if reason is None:
+            return path
+        failed.append(f"{path.name}: {reason}")
+        manifest.SKIPPED.append(path)
+        say = logging.getLogger("praisonai_accel.file").info if said else log.warning  # the launcher said it already
+        say("warning: skipping %s, which failed verification: %s; resuming from an older checkpoint", path.name, reason)
+    raise ConfigError(f"output_dir: no checkpoint in {output_dir} is intact ({'; '.join(failed[:2])}); move them "
+                      "away, or set overwrite_output_dir: true to start over")
+
+
+def trouble(path: Path) -> tuple[str | None, bool]:
+    """Why a complete checkpoint cannot be resumed from (damaged, unreadable) or None, and whether the launcher
+    already said so. A file whose pickle would run code is not damage: UnsafeCheckpoint, refused, never skipped."""
+    reason, said = manifest.checked(path, MARKER)
+    try:
+        check_safe_to_load(path)
+        if reason is None:
+            CheckpointState.read(path)
+    except UnsafeCheckpoint:
+        raise
+    except ConfigError as exc:
+        reason = reason or str(exc).removeprefix("resume_from_checkpoint: ")
+    manifest.remember(path, reason)
+    return reason, said
+
+
 def differences(saved: CheckpointState, identity: dict) -> str:
     """The keys that make the checkpoint's run another run, as the user wrote them."""
     if saved.run_identity is None:
@@ -121,6 +155,8 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
             raise ConfigError(f"resume_from_checkpoint: no such checkpoint directory '{resume}'")
         if not is_complete(path):
             raise ConfigError(f"resume_from_checkpoint: '{resume}' is incomplete (no {MARKER} marker); it was interrupted while saving")
+        if reason := trouble(path)[0]:
+            raise ConfigError(f"resume_from_checkpoint: '{resume}' failed verification: {reason}; nothing was loaded or deleted")
         saved = CheckpointState.read(path)
         if saved.run_fingerprint != run_fingerprint and not force:
             raise ConfigError(
@@ -137,7 +173,7 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
             f"output_dir: {output_dir} already holds checkpoints ({existing[-1].name}); set resume_from_checkpoint: true "
             "to continue, or overwrite_output_dir: true to start over"
         )
-    latest = latest_complete(output_dir)
+    latest = latest_intact(output_dir)
     saved = CheckpointState.read(latest)
     if saved.run_fingerprint != run_fingerprint:
         raise ConfigError(
@@ -146,6 +182,10 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
         )
     check_safe_to_load(latest)
     return latest
+
+
+class UnsafeCheckpoint(ConfigError):
+    """A checkpoint file whose pickle would call something other than tensor and RNG-state constructors."""
 
 
 def _torch_files(checkpoint: Path) -> list[Path]:
@@ -168,7 +208,7 @@ def check_safe_to_load(checkpoint: Path) -> None:
             raise ConfigError(f"resume_from_checkpoint: {path} cannot be loaded safely (not a torch.save archive: "
                               f"{type(exc).__name__}); refusing to resume from {Path(checkpoint).name}") from None
         if unsafe:
-            raise ConfigError(f"resume_from_checkpoint: {path} cannot be loaded safely (its pickle calls "
+            raise UnsafeCheckpoint(f"resume_from_checkpoint: {path} cannot be loaded safely (its pickle calls "
                               f"{', '.join(sorted(unsafe)[:3])}); refusing to resume from {Path(checkpoint).name}")
 
 
@@ -319,6 +359,7 @@ def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_
     if accelerator.is_main_process:
         save_scheduler(scheduler, tmp)
         state.write(tmp)
+        manifest.write_manifest(tmp, MARKER)
         (tmp / MARKER).write_text(str(state.global_step))
         if final.exists():
             shutil.rmtree(final)

@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         if env.local_rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT_CODE
+    from ..run_lock import RunLocked, lock_for_worker
+
+    try:
+        lock_for_worker(config.output_path(), env.rank)  # started without the launcher: rank 0 holds output_dir
+    except (RunLocked, OSError) as exc:
+        print(f"error: {first_line(exc)}", file=sys.stderr)
+        return BAD_INPUT_EXIT_CODE
     log_path = log_to_file(config.output_path(), env.rank)
     from .recipe import train
 
@@ -186,6 +193,9 @@ def exit_now(code: int) -> None:
     """Leave without interpreter teardown once everything is written and flushed. Under DDP, gloo's threads
     can call std::terminate there ("terminate called without an active exception"), turning a finished run
     into SIGABRT; and tearing down torch, transformers and their modules takes more than a second on its own."""
+    from ..run_lock import release_worker_lock
+
+    release_worker_lock()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -35,6 +35,7 @@ from ..publish.hub import model_card
 from . import checkpoint as ckpt
 from . import outputs
 from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, start_trackers
+from .checkpoint_manifest import decided_on_main_process, set_aside_skipped
 from .evaluation import evaluate, record_evaluation
 from .failures import DiskFull, Preempted, is_disk_full
 from .flops import flop_counts
@@ -155,8 +156,10 @@ class Recipe:
                 "transformers) or leave those modules out of lora_target_modules")
 
     def _find_resume_point(self) -> None:
-        self.resume_from, self.resume_skip, warning = resume_rule(self.config, self.accelerator.num_processes)
+        self.resume_from, self.resume_skip, warning = decided_on_main_process(
+            self.accelerator, lambda: resume_rule(self.config, self.accelerator.num_processes))
         if self.accelerator.is_main_process:
+            set_aside_skipped()
             outputs.clean_up_interrupted_saves(self.config, resuming=self.resume_from is not None)
         self.accelerator.wait_for_everyone()
         self._resume_warning = warning

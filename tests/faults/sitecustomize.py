@@ -10,6 +10,8 @@ PRAISONAI_ACCEL_TEST_HANG=R:N               rank R sleeps for an hour inside the
 PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH=S     every micro-batch forward takes S seconds longer, on every rank
 PRAISONAI_ACCEL_TEST_PREFLIGHT=late:R:S     rank R reaches the preflight all-reduce S seconds late
 PRAISONAI_ACCEL_TEST_PREFLIGHT=version:R:P=V  rank R reports version V of package P
+PRAISONAI_ACCEL_TEST_MONITOR_INTERVAL=S     torchrun's agent looks at its workers every S seconds (0.1 by default), so ranks that
+                                            fail within S of each other are noticed together, ordered by rank
 PRAISONAI_ACCEL_TEST_LAUNCHER_IMPORTS=FILE  the `praisonai-accel` process writes, as it exits, whether it imported
                                             transformers
 """
@@ -25,6 +27,7 @@ _HANG = os.environ.get("PRAISONAI_ACCEL_TEST_HANG", "")
 _SLOW_MICRO_BATCH = float(os.environ.get("PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH", "0"))
 _PREFLIGHT = os.environ.get("PRAISONAI_ACCEL_TEST_PREFLIGHT", "")
 _LAUNCHER_IMPORTS = os.environ.get("PRAISONAI_ACCEL_TEST_LAUNCHER_IMPORTS", "")
+_MONITOR_INTERVAL = os.environ.get("PRAISONAI_ACCEL_TEST_MONITOR_INTERVAL", "")
 
 
 def _rank0() -> bool:
@@ -108,10 +111,21 @@ def _patch_preflight(module) -> None:
         module.package_versions = lambda: {**original_versions(), name: version}
 
 
+def _patch_agent(module) -> None:
+    original = module.WorkerSpec.__post_init__
+
+    def __post_init__(self):
+        original(self)
+        self.monitor_interval = float(_MONITOR_INTERVAL)
+
+    module.WorkerSpec.__post_init__ = __post_init__
+
+
 _PATCHES = {name: patch for name, patch, wanted in (
     ("accelerate.accelerator", _patch_accelerator, _SPEC), ("praisonai_accel.worker.checkpoint", _patch_checkpoint, _SPEC),
     ("praisonai_accel.data.preprocess", _patch_data, _PREPROCESS), ("praisonai_accel.methods.lm_loss", _patch_loss, _HANG or _SLOW_MICRO_BATCH),
     ("praisonai_accel.worker.preflight", _patch_preflight, _PREFLIGHT),
+    ("torch.distributed.elastic.agent.server.api", _patch_agent, _MONITOR_INTERVAL),
 ) if wanted}
 
 

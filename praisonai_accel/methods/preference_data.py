@@ -88,10 +88,9 @@ def check_row(row: dict, fmt: str) -> str | None:
             return "prompt, chosen and rejected mix plain text and message lists"
         if row["chosen"] == row["rejected"]:
             return "chosen and rejected are the same"
-        if fmt == "implicit":
-            prompt, chosen, _ = split_implicit(row["chosen"], row["rejected"])
-            if not chosen:
-                return "chosen is the common prefix of chosen and rejected: no completion of its own"
+        chosen, rejected = row["chosen"], row["rejected"]
+        if fmt == "implicit" and (rejected[:len(chosen)] == chosen or chosen[:len(rejected)] == rejected):
+            return "one of chosen and rejected begins the other: no completion of its own after the common prompt"
         return None
     if fmt == "sharegpt_paired":
         turns = row.get("conversations")
@@ -170,7 +169,7 @@ def encode_completion(tokenizer, plan, prompt, completion, conversational: bool)
         k = _common_prefix(prompt_ids, ids)
         labels = [IGNORE_INDEX] * k + labels[k:]
         first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
-        return ids, labels, min(k, first)
+        return ids, labels, first  # the generation header before the reply counts as prompt, as in TRL
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:

@@ -14,7 +14,10 @@ KEYS_BY_METHOD = {
 
 def check_method_keys(config) -> None:
     """ValueError (one line) for a key written in the config that the chosen method (or DPO loss_type) does not read."""
-    written = config.model_fields_set
+    # A key counts as set when written with a value other than its default: a dumped and re-read config (every key
+    # at its default) is the same config.
+    fields = type(config).model_fields
+    written = {k for k in config.model_fields_set if getattr(config, k) != fields[k].default}
     method = config.method
     for key in METHOD_KEYS:
         if key not in written:
@@ -35,8 +38,7 @@ def check_method_keys(config) -> None:
 
 
 def prompt_limit(config) -> int:
-    """max_prompt_length as encoding uses it: TRL's 512 unless written, and at most half of a max_seq_length that the
-    default would not leave room in."""
-    if "max_prompt_length" in config.model_fields_set or config.max_prompt_length < config.max_seq_length:
+    """max_prompt_length as encoding uses it: half of a max_seq_length that the default (512) would leave no room in."""
+    if config.max_prompt_length < config.max_seq_length:
         return config.max_prompt_length
     return max(1, config.max_seq_length // 2)

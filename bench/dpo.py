@@ -7,7 +7,7 @@ are conversational prompt / chosen / rejected pairs whose rows (prompt + complet
 tokens; both sides train a LoRA r16 on every linear layer (lora_alpha 32, no dropout), AdamW at the same learning
 rate, sigmoid DPO with beta 0.1, the reference being the base model with the adapter disabled, batch --batch pairs,
 fp32 on CPU, in a fresh process each (peak RSS is that process's ru_maxrss, step time the median of the steps after
-the first two).
+the first two). --gpu: one CUDA GPU, fp32 weights under bf16 autocast on both sides, memory = peak GPU allocated.
 
 What "ours" is, honestly: praisonai_accel.methods' PreferenceMethod (encode, collate) and PreferenceLoss (reference
 pass + policy pass of chosen and rejected in one batch, through the chunked head) driven by a plain loop of AdamW
@@ -62,8 +62,20 @@ def make_pairs(tokenizer_dir: Path, count: int, length: int, seed: int = 3) -> l
     return pairs
 
 
-def _peak_mib() -> float:
+def _peak_mib(gpu: bool = False) -> float:
+    """Peak memory: the GPU's allocated peak with --gpu, else this process's peak RSS."""
+    if gpu:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _sync(gpu: bool) -> None:
+    if gpu:
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def run_ours(args) -> dict:
@@ -86,21 +98,27 @@ def run_ours(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                              task_type="CAUSAL_LM"))
-    module = method.loss_module(model, config, chunked=True).train()
+    device = "cuda" if args.gpu else "cpu"
+    module = method.loss_module(model.to(device), config, chunked=True).train()
+    # --gpu: fp32 weights under bf16 autocast, as TRL's bf16=True runs them
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
     times, losses = [], []
     for step in range(args.steps):
         batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
+        _sync(args.gpu)
         started = time.perf_counter()
-        data = method.collate(batch, tokenizer.pad_token_id)
-        loss_sum, _ = module(**data)
+        data = {k: v.to(device) for k, v in method.collate(batch, tokenizer.pad_token_id).items()}
+        with autocast:
+            loss_sum, _ = module(**data)
         (loss_sum / method.units(data)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _sync(args.gpu)
         times.append(time.perf_counter() - started)
         losses.append(loss_sum.item() / method.units(data))
     tokens = sum(len(e["chosen_input_ids"]) + len(e["rejected_input_ids"]) for e in examples) / len(examples)
-    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(), "tokens_per_pair": tokens}
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu), "tokens_per_pair": tokens}
 
 
 def run_trl(args) -> dict:
@@ -121,21 +139,23 @@ def run_trl(args) -> dict:
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, _args, state, _control, **_kw):
+            _sync(args.gpu)
             marks["start"] = time.perf_counter()
 
         def on_step_end(self, _args, state, _control, **_kw):
+            _sync(args.gpu)
             times.append(time.perf_counter() - marks["start"])
 
     config = DPOConfig(output_dir=str(Path(args.out) / "trl"), max_steps=args.steps, per_device_train_batch_size=args.batch,
                        learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                       report_to="none", max_length=args.length, use_cpu=True, seed=0, dataloader_num_workers=0,
+                       report_to="none", max_length=args.length, use_cpu=not args.gpu, bf16=args.gpu, seed=0, dataloader_num_workers=0,
                        disable_tqdm=True, beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=False)
     peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     trainer = DPOTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(pairs),
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimes()])
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib()}
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu)}
 
 
 def main() -> None:
@@ -148,6 +168,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, bf16 autocast; memory = peak GPU allocated")
     parser.add_argument("--child", choices=["ours", "trl"])
     parser.add_argument("--model")
     parser.add_argument("--data")
@@ -168,13 +189,15 @@ def main() -> None:
         make_realistic_model(model, vocab=args.vocab, layers=args.layers)
     data = work / f"pairs-{args.pairs}-{args.length}.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in make_pairs(model, args.pairs, args.length)))
-    results, env = {}, {"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    results, env = {}, {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not args.gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     import os
 
     for name in ("ours", "trl"):
         command = [sys.executable, __file__, "--child", name, "--model", str(model), "--data", str(data), "--out",
                    str(work), "--work", str(work), "--batch", str(args.batch), "--steps", str(args.steps),
-                   "--length", str(args.length), "--lr", str(args.lr)]
+                   "--length", str(args.length), "--lr", str(args.lr)] + (["--gpu"] if args.gpu else [])
         started = time.time()
         subprocess.run(command, check=True, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
         results[name] = json.loads((work / f"{name}.json").read_text())
@@ -182,6 +205,7 @@ def main() -> None:
         results[name]["median_step_seconds"] = statistics.median(results[name]["step_seconds"][WARMUP:] or
                                                                   results[name]["step_seconds"])
     summary = {
+        "device": "gpu (bf16 autocast); memory: peak GPU allocated" if args.gpu else "cpu (fp32); memory: peak RSS",
         "shape": {"vocab": args.vocab, "hidden": 512, "layers": args.layers, "length": args.length, "batch_pairs": args.batch,
                   "steps": args.steps, "lora_r": 16, "tokens_per_pair": results["ours"]["tokens_per_pair"]},
         "step_time_ratio": results["ours"]["median_step_seconds"] / results["trl"]["median_step_seconds"],

@@ -184,7 +184,11 @@ def test_trl_formats_text_and_conversational(tiny_tokenizer):
     assert kto.detect_format(list(unpaired), spec) == "unpaired"
     assert kto.encode(unpaired, "unpaired", tiny_tokenizer, _config("kto"))["label"] == [1]
     # a prompt that leaves no room: dropped, with the reason
-    reason = method.encode(long, "paired", tiny_tokenizer, _config(max_prompt_length=7, max_seq_length=7))
+    # a prompt limit that leaves no room (the config refuses one; a default too large for max_seq_length is halved)
+    assert method.encode(long, "paired", tiny_tokenizer, _config(max_prompt_length=7, max_seq_length=7))["prompt_cut"] == [1]
+    from praisonai_accel.methods.preference_data import encode_row
+
+    reason = encode_row(long, "paired", tiny_tokenizer, method._plan(tiny_tokenizer), 7, 7)
     assert reason.startswith("length: the chosen completion keeps no token within max_seq_length 7")
 
 

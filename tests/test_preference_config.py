@@ -57,6 +57,7 @@ def test_keys_of_the_chosen_method_are_accepted(extra):
                                                      "max_seq_length 2048"),
     ({"method": "dpo", "loss_type": "kto_pair"}, "loss_type: expected one of"),
     ({"method": "ppo"}, "method: expected one of"),
+    ({"method": "kto", "packing": True}, "packing: method kto trains whole pairs (or examples) side by side"),
 ])
 def test_a_key_of_another_method_is_refused_in_one_line(extra, message):
     with pytest.raises(ConfigError) as error:

@@ -214,3 +214,42 @@ def test_dpo_precomputed_reference_skips_the_reference_pass(tiny, tmp_path):
     passes = []
     module.reference_logps = lambda *a: passes.append(1)  # must not be called
     assert torch.allclose(module(**carried)[0], live, atol=1e-6) and not passes
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_module_equals_trl_dpo_trainer_on_a_real_model(tiny, loss_type):
+    """Our loss module and TRL's own DPOTrainer._compute_loss, each running the same LoRA model (TRL through its
+    fused LM head, the reference by disabling the adapter) on the same tokens: loss and metrics agree."""
+    from collections import defaultdict
+
+    from trl import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    path, tokenizer = tiny
+    config = _config(loss_type=loss_type)
+    method = PreferenceMethod(config)
+    data = method.collate(_pairs(tokenizer, method, count=4), tokenizer.pad_token_id)
+    model = _model(path, lora=True)
+    with torch.no_grad():  # a policy that differs from the reference
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    module = method.loss_module(model, config, chunked=True).train()
+    loss_sum, metrics = module(**data)
+
+    add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x,
+                                  unwrap_model=lambda m: m)
+    stub = SimpleNamespace(model=model, ref_model=None, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None,
+                           precompute_ref_logps=False, f_divergence_type="reverse_kl", loss_types=[loss_type],
+                           loss_weights=[1.0], beta=config.beta, label_smoothing=0.0, use_weighting=False,
+                           args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+                           _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"],
+              "completion_mask": (data["labels"] != -100).long()}
+    expected = DPOTrainer._compute_loss(stub, model, inputs, False)
+    units = method.units(data)
+    assert loss_sum.item() / units == pytest.approx(expected.item(), abs=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                 "logps/rejected"):
+        assert metrics[name].item() / units == pytest.approx(stub._metrics["train"][name][-1], abs=1e-4), name

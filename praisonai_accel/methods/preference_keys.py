@@ -32,6 +32,9 @@ def check_method_keys(config) -> None:
             raise ValueError(f"simpo_gamma: only loss_type simpo reads it, not loss_type: {config.loss_type}")
         if key == "precompute_ref_log_probs" and config.loss_type == "simpo":
             raise ValueError("precompute_ref_log_probs: loss_type simpo is reference-free; there is nothing to precompute")
+    if method != "sft" and config.packing:
+        raise ValueError(f"packing: method {method} trains whole pairs (or examples) side by side, never packed; "
+                         "remove packing")
     if method != "sft" and "max_prompt_length" in written and config.max_prompt_length >= config.max_seq_length:
         raise ValueError(f"max_prompt_length: {config.max_prompt_length} leaves no room for the completion within "
                          f"max_seq_length {config.max_seq_length}; make it smaller")

@@ -1,0 +1,201 @@
+"""Preference training as a training method: DPO (sigmoid, ipo, hinge, robust), SimPO, ORPO and KTO.
+
+`PreferenceMethod` is what the recipe talks to (see the methods seam: formats, row checks, encoding, collation, units,
+the loss module); `PreferenceLoss` is the module accelerate prepares. One forward of it does everything a step needs,
+so DDP and FSDP2 see exactly one forward per backward:
+
+- the reference log-probs, under no_grad and in eval mode: for LoRA / QLoRA the same model with its adapter disabled
+  (peft's disable_adapter; no second copy), for full fine-tuning a frozen copy held as the submodule `reference`
+  (so FSDP2 shards it like the policy); skipped when the batch carries precomputed ones (reference_logps.py), and for
+  SimPO and ORPO, which need none;
+- the policy log-probs of chosen and rejected, concatenated into one batch, through the chunked LM head;
+- the loss summed over units (pairs; examples for KTO) and TRL's metrics as sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from ..loss import CausalLMLoss
+from . import preference_data as pdata
+from . import preference_loss as plosses
+from .preference_keys import prompt_limit
+from .preference_logps import sequence_logps
+
+
+def needs_reference(config) -> bool:
+    return config.method == "kto" or (config.method == "dpo" and config.loss_type not in plosses.REFERENCE_FREE)
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class PreferenceLoss(CausalLMLoss):
+    """Reference pass + policy pass + preference loss, in one forward. Returns (loss summed over units, metric sums)."""
+
+    def __init__(self, causal_lm, config, chunked: bool = True):
+        super().__init__(causal_lm, chunked=chunked)
+        self.method = config.method
+        self.loss_type = config.loss_type
+        self.beta, self.label_smoothing, self.simpo_gamma = config.beta, config.label_smoothing, config.simpo_gamma
+        self.desirable_weight, self.undesirable_weight = config.desirable_weight, config.undesirable_weight
+        self.uses_reference = needs_reference(config)
+        if self.uses_reference and not _is_peft(causal_lm):
+            # Full fine-tuning: the reference is the model as it starts, frozen; a submodule, so that FSDP2 wraps and
+            # shards its decoder layers exactly like the policy's.
+            self.reference = copy.deepcopy(causal_lm).requires_grad_(False).eval()
+        else:
+            self.reference = None
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.reference is not None:
+            self.reference.eval()  # never dropout in the reference
+        return self
+
+    @contextlib.contextmanager
+    def _reference_model(self):
+        """The reference causal LM, in eval mode, without gradients."""
+        if self.reference is not None:
+            with torch.no_grad():
+                yield self.reference
+            return
+        was_training = self.causal_lm.training
+        self.causal_lm.eval()
+        try:
+            with torch.no_grad(), self.causal_lm.disable_adapter():
+                yield self.causal_lm
+        finally:
+            self.causal_lm.train(was_training)
+
+    def reference_logps(self, input_ids, labels, attention_mask) -> torch.Tensor:
+        with self._reference_model() as model:
+            return sequence_logps(self, model, input_ids, labels, attention_mask, self.chunked)[0].detach()
+
+    def forward(self, input_ids, labels, attention_mask=None, **extra):
+        if self.method == "kto":
+            return self._kto(input_ids, labels, attention_mask, **extra)
+        return self._pairs(input_ids, labels, attention_mask, **extra)
+
+    def _pairs(self, input_ids, labels, attention_mask, ref_chosen_logps=None, ref_rejected_logps=None):
+        n = input_ids.size(0) // 2
+        reference = None
+        if self.uses_reference:
+            if ref_chosen_logps is None:  # before the policy pass: its activations are not alive yet
+                reference = self.reference_logps(input_ids, labels, attention_mask)
+            else:
+                reference = torch.cat([ref_chosen_logps, ref_rejected_logps]).to(input_ids.device)
+        logps, counts = sequence_logps(self, self.causal_lm, input_ids, labels, attention_mask, self.chunked)
+        chosen, rejected = logps[:n], logps[n:]
+        chosen_count, rejected_count = counts[:n].to(logps.dtype), counts[n:].to(logps.dtype)
+        if self.method == "orpo" or self.loss_type == "simpo":
+            chosen, rejected = chosen / chosen_count.clamp(min=1), rejected / rejected_count.clamp(min=1)
+            if self.method == "orpo":
+                losses, chosen_rewards, rejected_rewards, _ = plosses.orpo_losses(self.beta, chosen, rejected)
+            else:
+                losses, chosen_rewards, rejected_rewards = plosses.simpo_losses(
+                    self.beta, self.simpo_gamma, self.label_smoothing, chosen, rejected)
+        else:
+            losses, chosen_rewards, rejected_rewards = plosses.dpo_losses(
+                self.loss_type, self.beta, self.label_smoothing, chosen, rejected, reference[:n].to(chosen.dtype),
+                reference[n:].to(chosen.dtype), chosen_count, rejected_count)
+        return losses.sum(), plosses.pair_metric_sums(chosen_rewards, rejected_rewards, chosen, rejected)
+
+    def _kto(self, input_ids, labels, attention_mask, desirable, kl_rows, ref_logps=None):
+        n = desirable.numel()
+        kl_count = int(kl_rows)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        if ref_logps is None:
+            reference = self.reference_logps(input_ids, labels, mask)
+            ref_logps, ref_kl = reference[:n], reference[n:]
+        else:
+            ref_logps = ref_logps.to(input_ids.device)
+            ref_kl = self.reference_logps(input_ids[n:], labels[n:], mask[n:]) if kl_count else None
+        kl = torch.zeros((), device=input_ids.device)
+        if kl_count:
+            with torch.no_grad():
+                kl_logps = sequence_logps(self, self.causal_lm, input_ids[n:], labels[n:], mask[n:], self.chunked)[0]
+            kl = plosses.kto_kl(kl_logps, ref_kl)
+        logps = sequence_logps(self, self.causal_lm, input_ids[:n], labels[:n], mask[:n], self.chunked)[0]
+        desirable = desirable.to(logps.device).bool()
+        losses, rewards = plosses.kto_losses(self.beta, self.desirable_weight, self.undesirable_weight, logps,
+                                             ref_logps.to(logps.dtype), desirable, kl)
+        return losses.sum(), plosses.kto_metric_sums(rewards, logps, desirable, kl)
+
+
+class PreferenceMethod:
+    """The training method the recipe drives for `method: dpo | orpo | kto` (see the methods seam)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.name = config.method
+        self.paired = config.method != "kto"
+        self.unit = "pairs" if self.paired else "examples"
+        self.metric_names = plosses.PAIR_METRICS if self.paired else plosses.KTO_METRICS
+        self._plans: dict[int, object] = {}
+
+    # ---------------------------------------------------------------- data
+    def detect_format(self, columns, spec) -> str:
+        return pdata.detect_format(columns, spec, self.paired)
+
+    def check_row(self, row: dict, fmt: str) -> str | None:
+        return pdata.check_row(row, fmt)
+
+    def _plan(self, tokenizer):
+        if id(tokenizer) not in self._plans:
+            from ..chat_masking import plan_masking
+
+            self._plans[id(tokenizer)] = plan_masking(tokenizer)
+        return self._plans[id(tokenizer)]
+
+    def encode(self, row: dict, fmt: str, tokenizer, config, system_prompt: str | None = None):
+        return pdata.encode_row(row, fmt, tokenizer, self._plan(tokenizer), prompt_limit(config),
+                                config.max_seq_length, system_prompt)
+
+    def length(self, example: dict) -> int:
+        if self.paired:
+            return len(example["chosen_input_ids"]) + len(example["rejected_input_ids"])
+        return 2 * len(example["completion_input_ids"])  # with its row of the KL estimate
+
+    @staticmethod
+    def cut_counts(examples) -> dict[str, int]:
+        """How many examples had their prompt cut to max_prompt_length, and their completions cut."""
+        return {"prompt_cut": sum(int(e["prompt_cut"][0]) for e in examples),
+                "completion_cut": sum(int(e["completion_cut"][0]) for e in examples)}
+
+    # ---------------------------------------------------------------- batches
+    def collate(self, examples: list[dict], pad_token_id: int) -> dict:
+        if self.paired:
+            return pdata.collate_pairs(examples, pad_token_id)
+        return pdata.collate_unpaired(examples, pad_token_id)
+
+    def units(self, batch: dict) -> int:
+        return batch["input_ids"].size(0) // 2 if self.paired else int(batch["desirable"].numel())
+
+    # ---------------------------------------------------------------- loss
+    def loss_module(self, causal_lm, config, chunked: bool) -> PreferenceLoss:
+        return PreferenceLoss(causal_lm, config, chunked)
+
+    def reduce_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        """Metric sums (over ranks and micro-batches) as the means TRL logs. Pair metrics are means over pairs; KTO's
+        chosen/rejected ones are means over the desirable / undesirable examples, as KTOTrainer logs them."""
+        if self.paired:
+            return {k: sums[k] / max(units, 1) for k in self.metric_names}
+        chosen, rejected = sums["count/desirable"], sums["count/undesirable"]
+        out = {"kl": sums["kl"] / max(units, 1)}
+        if chosen:
+            out["rewards/chosen"], out["logps/chosen"] = sums["rewards/chosen"] / chosen, sums["logps/chosen"] / chosen
+        if rejected:
+            out["rewards/rejected"] = sums["rewards/rejected"] / rejected
+            out["logps/rejected"] = sums["logps/rejected"] / rejected
+        if chosen and rejected:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+
+def method_for(config) -> PreferenceMethod:
+    return PreferenceMethod(config)

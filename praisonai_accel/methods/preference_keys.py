@@ -1,0 +1,47 @@
+"""Which config keys belong to which training method: a key set for another method is refused with one line."""
+
+from __future__ import annotations
+
+METHOD_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs",
+               "desirable_weight", "undesirable_weight")
+KEYS_BY_METHOD = {
+    "sft": set(),
+    "dpo": {"beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs"},
+    "orpo": {"beta", "max_prompt_length"},
+    "kto": {"beta", "max_prompt_length", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight"},
+}
+
+
+def check_method_keys(config) -> None:
+    """ValueError (one line) for a key written in the config that the chosen method (or DPO loss_type) does not read."""
+    # A key counts as set when written with a value other than its default: a dumped and re-read config (every key
+    # at its default) is the same config.
+    fields = type(config).model_fields
+    written = {k for k in config.model_fields_set if getattr(config, k) != fields[k].default}
+    method = config.method
+    for key in METHOD_KEYS:
+        if key not in written:
+            continue
+        if key not in KEYS_BY_METHOD[method]:
+            users = [m for m, keys in KEYS_BY_METHOD.items() if key in keys]
+            raise ValueError(f"{key}: belongs to method {' / '.join(users)}, not to method: {method}; remove it or "
+                             f"set method: {users[0]}")
+        if key == "label_smoothing" and config.loss_type not in ("robust", "simpo"):
+            raise ValueError(f"label_smoothing: only loss_type robust or simpo reads it, not loss_type: {config.loss_type}")
+        if key == "simpo_gamma" and config.loss_type != "simpo":
+            raise ValueError(f"simpo_gamma: only loss_type simpo reads it, not loss_type: {config.loss_type}")
+        if key == "precompute_ref_log_probs" and config.loss_type == "simpo":
+            raise ValueError("precompute_ref_log_probs: loss_type simpo is reference-free; there is nothing to precompute")
+    if method != "sft" and config.packing:
+        raise ValueError(f"packing: method {method} trains whole pairs (or examples) side by side, never packed; "
+                         "remove packing")
+    if method != "sft" and "max_prompt_length" in written and config.max_prompt_length >= config.max_seq_length:
+        raise ValueError(f"max_prompt_length: {config.max_prompt_length} leaves no room for the completion within "
+                         f"max_seq_length {config.max_seq_length}; make it smaller")
+
+
+def prompt_limit(config) -> int:
+    """max_prompt_length as encoding uses it: half of a max_seq_length that the default (512) would leave no room in."""
+    if config.max_prompt_length < config.max_seq_length:
+        return config.max_prompt_length
+    return max(1, config.max_seq_length // 2)

@@ -53,7 +53,8 @@ def write_config(name: str, batch: int, **extra) -> Path:
 
 
 def write_accelerate_config(name: str, precision: str, fsdp: bool = False) -> Path:
-    from praisonai_accel.accelerate_config import build_accelerate_config, write_yaml_atomic
+    from praisonai_accel.atomic import write_yaml_atomic
+    from praisonai_accel.launcher.accelerate_config import build_accelerate_config
 
     return write_yaml_atomic(build_accelerate_config(2, precision, fsdp=fsdp), WORK / f"accelerate-{name}.yaml")
 

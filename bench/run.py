@@ -432,8 +432,8 @@ def manifest_cost(work: Path, args) -> dict:
     checkpoints of the toy model and of the realistic one (128k vocabulary, 143M parameters). save_seconds is the
     whole save as the run logs it, hash included; hash_seconds hashes the same files again right after, as the save
     does (page cache warm); verify_seconds is what a resume adds."""
-    from praisonai_accel.checkpoint import MARKER
-    from praisonai_accel.checkpoint_manifest import damage, fast_algorithm, write_manifest
+    from praisonai_accel.worker.checkpoint import MARKER
+    from praisonai_accel.worker.checkpoint_manifest import damage, fast_algorithm, write_manifest
 
     models = {"toy": make_tiny_model(work / "model-manifest", hidden_size=256, layers=4),
               "realistic": work / "model-128k"}

@@ -1,7 +1,7 @@
 """A small Go text/template interpreter for the subset an Ollama TEMPLATE of ours uses, with Ollama's own
 execution of a `.Messages` template (system messages joined into .System, same-role messages collated).
 
-Written independently of praisonai_accel.ollama_template, so a test can render the TEMPLATE text itself
+Written independently of praisonai_accel.publish.ollama_template, so a test can render the TEMPLATE text itself
 and compare it with the Jinja chat template.
 
 Supported: literal text, {{ .Field }}, {{ if PIPE }} / {{ else if PIPE }} / {{ else }} / {{ end }},

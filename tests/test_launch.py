@@ -280,7 +280,7 @@ def test_a_rank_killed_by_a_signal_is_named_though_its_peer_failed_first():
     second: rank 0 is the 'root cause' (ties go to the lower rank); the signal death is the one to name."""
     import io
 
-    from praisonai_accel.launch import LauncherOutput
+    from praisonai_accel.launcher.local import LauncherOutput
 
     report = TORCHRUN_REPORT.replace("rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 16675)  (SIGTERM)",
                                      "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16676)  (SIGKILL)", 1)

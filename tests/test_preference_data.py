@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from praisonai_accel.chat_masking import IGNORE_INDEX
+from praisonai_accel.data.chat_masking import IGNORE_INDEX
 from praisonai_accel.data import DataError, ensure_chat_template
 from praisonai_accel.methods.preference import PreferenceMethod
 

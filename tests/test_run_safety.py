@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from praisonai_accel import checkpoint as ckpt
+from praisonai_accel.worker import checkpoint as ckpt
 from praisonai_accel.worker.checkpoint_manifest import MANIFEST
-from praisonai_accel.launch import free_port
+from praisonai_accel.launcher.plan import free_port
 from praisonai_accel.run_lock import LOCK_NAME, RunLock, RunLocked
 
 from conftest import cli, cpu_env, read_summary, run, write_config

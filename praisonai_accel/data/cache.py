@@ -43,8 +43,15 @@ def cache_key(specs: list[DatasetSpec], tokenizer, config: TrainConfig) -> str:
         "truncation": config.truncation,
         "excess_length_strategy": config.excess_length_strategy,
         "skip_invalid_rows": config.skip_invalid_rows,
+        **method_identity(config),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def method_identity(config: TrainConfig) -> dict:
+    """What of the training method changes the encoded examples: SFT keys stay as they were."""
+    method = getattr(config, "method", "sft")
+    return {} if method == "sft" else {"method": method, "max_prompt_length": config.max_prompt_length}
 
 
 @dataclass
@@ -145,6 +152,7 @@ def inputs_key(config: TrainConfig) -> str | None:
             "truncation": config.truncation,
             "excess_length_strategy": config.excess_length_strategy,
             "skip_invalid_rows": config.skip_invalid_rows,
+            **method_identity(config),
         }
     except (OSError, DataError):
         return None  # the tokenizer path says why

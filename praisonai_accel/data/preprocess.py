@@ -38,7 +38,7 @@ log = logging.getLogger("praisonai_accel")
 
 
 def data_method(tokenizer, config: TrainConfig):
-    """The data half of the run's training method (only SFT so far)."""
+    """SFT's data half: what the driver uses when the caller names no other (methods.TrainingMethod.data)."""
     return SFTData(tokenizer, config)
 
 
@@ -168,11 +168,12 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, m
     return tokenized, stats, skipped
 
 
-def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cache_root: Path):
+def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cache_root: Path, method_data=None):
     """Tokenize once and keep the result, with its statistics, on disk; later runs and other ranks load it.
 
     Returns (TokenizedDataset, stats, from_cache)."""
-    return _load_or_build_at(Path(cache_root) / cache_key(specs, tokenizer, config), specs, tokenizer, config)[:3]
+    return _load_or_build_at(Path(cache_root) / cache_key(specs, tokenizer, config), specs, tokenizer, config,
+                             method_data)[:3]
 
 
 def _read_skipped(target: Path) -> list[dict]:
@@ -180,11 +181,11 @@ def _read_skipped(target: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _load_or_build_at(target: Path, specs: list[DatasetSpec], tokenizer, config: TrainConfig):
+def _load_or_build_at(target: Path, specs: list[DatasetSpec], tokenizer, config: TrainConfig, method_data=None):
     """(data, stats, from_cache, skipped row records) of one cache entry, built first when missing."""
     if TokenizedDataset.exists(target) and (target / STATS_FILE).exists():
         return TokenizedDataset.load(target), PreprocessReport.load(target / STATS_FILE), True, _read_skipped(target)
-    data, stats, skipped = tokenize_dataset(specs, tokenizer, config)
+    data, stats, skipped = tokenize_dataset(specs, tokenizer, config, method_data)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     data.save(tmp)
@@ -208,15 +209,17 @@ def write_skipped_rows(config: TrainConfig, records: list[dict]) -> Path:
     return path
 
 
-def load_datasets(config: TrainConfig, tokenizer):
+def load_datasets(config: TrainConfig, tokenizer, method_data=None):
     """The tokenized training set, its statistics, whether it came from the cache, and the eval set (or None):
-    what training, `preprocess` and `preview` all read, from one cache."""
+    what training, `preprocess` and `preview` all read, from one cache. `method_data`: the run's training method's
+    data half (methods.TrainingMethod.data); SFT's when None."""
     entries = cache_entries(config, tokenizer)  # keying hashes the whole vocabulary: once per entry
-    train, stats, cached, skipped = _load_or_build_at(entries[0], config.dataset, tokenizer, config)
+    train, stats, cached, skipped = _load_or_build_at(entries[0], config.dataset, tokenizer, config, method_data)
     records = [{"split": "train", **r} for r in skipped]
     evaluation = None
     if len(entries) > 1:
-        evaluation, _, _, eval_skipped = _load_or_build_at(entries[1], config.eval_dataset, tokenizer, config)
+        evaluation, _, _, eval_skipped = _load_or_build_at(entries[1], config.eval_dataset, tokenizer, config,
+                                                           method_data)
         records += [{"split": "eval", **r} for r in eval_skipped]
     remember_inputs(config, entries)
     try:

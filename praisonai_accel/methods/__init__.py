@@ -5,8 +5,12 @@ from __future__ import annotations
 from .base import TrainingMethod
 from .sft import SFT
 
-METHODS: dict[str, type[TrainingMethod]] = {SFT.name: SFT}
-
 
 def method_for(config) -> TrainingMethod:
-    return METHODS[getattr(config, "method", "sft")](config)
+    """The run's training method (`method:` in config.yaml)."""
+    name = getattr(config, "method", "sft")
+    if name == "sft":
+        return SFT(config)
+    from .preference import PreferenceMethod  # dpo, orpo, kto
+
+    return PreferenceMethod(config)

@@ -29,6 +29,12 @@ class TrainingMethod:
     def __init__(self, config):
         self.config = config
 
+    # ---- data
+    def data(self, tokenizer):
+        """The data half the preprocessing driver (data/preprocess.py) runs: `columns` (the ragged int columns of an
+        encoded example), `detect_format`, `check_row`, `encode`, `length`; see data/sft_rows.SFTData."""
+        raise NotImplementedError
+
     # ---- batches
     def collator(self, pad_token_id: int):
         """A callable turning a list of encoded examples into a batch of tensors (right padding)."""
@@ -38,6 +44,11 @@ class TrainingMethod:
         """An example like `example` that adds nothing to the loss, the metrics or the units: evaluation gives it to
         a rank short of rows, so every rank runs the same number of forwards."""
         raise NotImplementedError
+
+    def examples_in(self, batch: dict) -> int:
+        """Examples of the training set in this batch (rows of the loader's dataset: a packed row counts once);
+        resuming mid-epoch skips by it."""
+        return len(batch["input_ids"])
 
     def units(self, batch: dict):
         """How many units this micro-batch holds: the loss of a step is its summed loss over the units of all its
@@ -52,3 +63,12 @@ class TrainingMethod:
     def forward(self, module, batch: dict) -> tuple[Any, dict]:
         """(summed loss over the batch's units, {metric name: sum over units}) through the prepared module."""
         raise NotImplementedError
+
+    def reduce_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        """The logged values of metric sums gathered over micro-batches and ranks: means over units by default."""
+        return {name: value / max(units, 1) for name, value in sorted(sums.items())}
+
+    def before_training(self, accelerator, module, dataset, collate, output_dir):
+        """Called once the module is prepared and before the first step (or the first step after a resume); returns
+        the dataset to train on (a method may attach what it computed once, such as reference log-probs)."""
+        return dataset

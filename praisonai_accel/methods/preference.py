@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 
-from ..loss import CausalLMLoss
+from .lm_loss import CausalLMLoss
 from . import preference_data as pdata
 from . import preference_loss as plosses
 from .preference_keys import prompt_limit
 from .preference_logps import sequence_logps
+from .base import TrainingMethod
+
+FILLER = "filler"
 
 
 def needs_reference(config) -> bool:
@@ -76,7 +80,9 @@ class PreferenceLoss(CausalLMLoss):
         with self._reference_model() as model:
             return sequence_logps(self, model, input_ids, labels, attention_mask, self.chunked)[0].detach()
 
-    def forward(self, input_ids, labels, attention_mask=None, **extra):
+    def forward(self, input_ids, labels, attention_mask=None, reference_only: bool = False, **extra):
+        if reference_only:  # precompute_ref_log_probs, through the prepared module: one log-prob per row
+            return self.reference_logps(input_ids, labels, attention_mask)
         if self.method == "kto":
             return self._kto(input_ids, labels, attention_mask, **extra)
         return self._pairs(input_ids, labels, attention_mask, **extra)
@@ -127,18 +133,22 @@ class PreferenceLoss(CausalLMLoss):
         return losses.sum(), plosses.kto_metric_sums(rewards, logps, desirable, kl)
 
 
-class PreferenceMethod:
-    """The training method the recipe drives for `method: dpo | orpo | kto` (see the methods seam)."""
+class PreferenceMethod(TrainingMethod):
+    """The training method the recipe drives for `method: dpo | orpo | kto` (methods/base.py)."""
 
     def __init__(self, config):
-        self.config = config
+        super().__init__(config)
         self.name = config.method
         self.paired = config.method != "kto"
         self.unit = "pairs" if self.paired else "examples"
         self.metric_names = plosses.PAIR_METRICS if self.paired else plosses.KTO_METRICS
         self._plans: dict[int, object] = {}
+        self.pad_token_id = 0  # set by collator()
 
     # ---------------------------------------------------------------- data
+    def data(self, tokenizer):
+        return PreferenceData(self, tokenizer)
+
     def detect_format(self, columns, spec) -> str:
         return pdata.detect_format(columns, spec, self.paired)
 
@@ -147,7 +157,7 @@ class PreferenceMethod:
 
     def _plan(self, tokenizer):
         if id(tokenizer) not in self._plans:
-            from ..chat_masking import plan_masking
+            from ..data.chat_masking import plan_masking
 
             self._plans[id(tokenizer)] = plan_masking(tokenizer)
         return self._plans[id(tokenizer)]
@@ -169,16 +179,36 @@ class PreferenceMethod:
 
     # ---------------------------------------------------------------- batches
     def collate(self, examples: list[dict], pad_token_id: int) -> dict:
-        if self.paired:
-            return pdata.collate_pairs(examples, pad_token_id)
-        return pdata.collate_unpaired(examples, pad_token_id)
+        batch = (pdata.collate_pairs if self.paired else pdata.collate_unpaired)(examples, pad_token_id)
+        if any(FILLER in e for e in examples):
+            batch[FILLER] = True  # evaluation's stand-in for a rank short of rows: it counts for nothing
+        return batch
 
-    def units(self, batch: dict) -> int:
+    def collator(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+        return functools.partial(self.collate, pad_token_id=pad_token_id)
+
+    def filler(self, example: dict) -> dict:
+        return {**example, FILLER: True}
+
+    def examples_in(self, batch: dict) -> int:
         return batch["input_ids"].size(0) // 2 if self.paired else int(batch["desirable"].numel())
 
+    def units(self, batch: dict) -> int:
+        return 0 if batch.get(FILLER) else self.examples_in(batch)
+
     # ---------------------------------------------------------------- loss
-    def loss_module(self, causal_lm, config, chunked: bool) -> PreferenceLoss:
-        return PreferenceLoss(causal_lm, config, chunked)
+    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool) -> PreferenceLoss:
+        from .sft import settle_chunking
+
+        return settle_chunking(PreferenceLoss(causal_lm, self.config, self.config.chunked_loss), accelerator, tokenizer)
+
+    def forward(self, module, batch: dict):
+        inputs = {k: v for k, v in batch.items() if k != FILLER}
+        loss, metrics = module(**inputs)
+        if batch.get(FILLER):
+            return loss * 0, {name: value * 0 for name, value in metrics.items()}
+        return loss, metrics
 
     def reduce_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
         """Metric sums (over ranks and micro-batches) as the means TRL logs. Pair metrics are means over pairs; KTO's
@@ -195,6 +225,61 @@ class PreferenceMethod:
         if chosen and rejected:
             out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
+
+    def before_training(self, accelerator, module, dataset, collate, output_dir):
+        """precompute_ref_log_probs: the reference log-probs of the training set, computed once (each rank its share,
+        through the prepared module) and kept in output_dir/reference_logps/train.safetensors; a resume reads them."""
+        if not (self.config.precompute_ref_log_probs and needs_reference(self.config)):
+            return dataset
+        from .reference_logps import precompute_on_ranks
+
+        return precompute_on_ranks(self, accelerator, module, dataset, output_dir)
+
+
+class PreferenceData:
+    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is data/sft_rows.SFTData)."""
+
+    def __init__(self, method: PreferenceMethod, tokenizer):
+        self.method, self.tokenizer, self.config, self.name = method, tokenizer, method.config, method.name
+        self.columns = (("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+                        if method.paired else ("completion_input_ids", "completion_labels", "label"))
+        self.columns += ("prompt_cut", "completion_cut")
+
+    def detect_format(self, columns, spec) -> str:
+        return self.method.detect_format(columns, spec)
+
+    def check_row(self, row: dict, fmt: str, spec):
+        from ..data import RowProblem
+
+        why = self.method.check_row(row, fmt)
+        return RowProblem(_kind(why), why) if why else None
+
+    def encode(self, row: dict, fmt: str, tokenizer, config, spec):
+        from ..data import TOO_LONG, RowProblem
+
+        try:
+            out = self.method.encode(row, fmt, tokenizer, config, getattr(spec, "system_prompt", None))
+        except Exception as exc:  # a chat template that cannot render this conversation
+            return RowProblem("chat template cannot render it", f"the chat template cannot render it: "
+                                                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if isinstance(out, str):
+            return RowProblem(TOO_LONG, out.replace("length: ", "", 1)) if out.startswith("length") else RowProblem("invalid", out)
+        out["truncated"] = bool(out["prompt_cut"][0] or out["completion_cut"][0])
+        out["response_cut"] = bool(out["completion_cut"][0])
+        return out
+
+    def length(self, example: dict) -> int:
+        return self.method.length(example)
+
+
+def _kind(why: str) -> str:
+    """Rows counted by reason: the reason's gist."""
+    for words, kind in (("missing", "missing or null field"), ("null", "missing or null field"),
+                        ("empty", "empty field"), ("are the same", "chosen equals rejected"),
+                        ("'label'", "label not true or false"), ("mix", "mixed text and messages")):
+        if words in why:
+            return kind
+    return "invalid preference row"
 
 
 def method_for(config) -> PreferenceMethod:

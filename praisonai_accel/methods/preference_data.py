@@ -18,8 +18,9 @@ no trained token is dropped with the reason, never silently.
 
 from __future__ import annotations
 
-from ..chat_masking import IGNORE_INDEX, encode_conversation
-from ..data import ROLE_NAMES, DataError, _sharegpt_turn
+from ..data.chat_masking import IGNORE_INDEX, encode_conversation
+from ..data import ROLE_NAMES, DataError
+from ..data.formats import _sharegpt_turn
 
 PAIRED_FORMATS = ("paired", "implicit", "sharegpt_paired")
 UNPAIRED_FORMATS = ("unpaired", "messages_label", "sharegpt_label")

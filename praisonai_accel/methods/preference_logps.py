@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..chat_masking import IGNORE_INDEX
-from ..loss import CHUNK_ELEMENTS, FROZEN_HEAD_ROWS, TILE_ELEMENTS, VOCAB_BLOCK, _compute_dtype, _matmul, _transform
+from ..data.chat_masking import IGNORE_INDEX
+from .lm_loss import CHUNK_ELEMENTS, FROZEN_HEAD_ROWS, TILE_ELEMENTS, VOCAB_BLOCK, _compute_dtype, _matmul, _transform
 
 
 class _FrozenHeadLogProbs(torch.autograd.Function):
@@ -159,7 +159,7 @@ def sequence_logps(loss_module, causal_lm, input_ids, labels, attention_mask, ch
     if not chunked:
         logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return full_logits_logps(logits, labels)
-    from ..loss import transformers_model
+    from .lm_loss import transformers_model
 
     base = transformers_model(causal_lm)
     decoder = getattr(base, base.base_model_prefix)

@@ -27,7 +27,7 @@ def compute_reference_logps(method, loss_module, examples, batch_size: int, pad_
                             device="cpu") -> dict[str, torch.Tensor]:
     """One float per example and column, in the examples' order."""
     from .preference_data import _pad
-    from ..chat_masking import IGNORE_INDEX
+    from ..data.chat_masking import IGNORE_INDEX
 
     out: dict[str, list[torch.Tensor]] = {name: [] for name in _columns(method.paired)}
     for start in range(0, len(examples), batch_size):
@@ -86,3 +86,75 @@ class WithReference:
 
     def __getitem__(self, index: int) -> dict:
         return {**self.dataset[index], **{k: float(v[index]) for k, v in self.tensors.items()}}
+
+
+def precompute_on_ranks(method, accelerator, module, dataset, output_dir) -> WithReference:
+    """The reference log-probs of `dataset`, each rank computing every world-th example through the prepared module
+    (under FSDP2 every forward is a collective: all ranks run the same number), gathered, and written once by rank 0.
+    A run that finds the file with the same fingerprint (the run's identity and its data) reads it instead."""
+    import hashlib
+
+    import numpy as np
+    from accelerate.utils import gather_object
+
+    config = method.config
+    lengths = np.asarray(dataset.lengths, dtype=np.int64)
+    fingerprint = hashlib.sha256(f"{config.run_fingerprint()}:{len(dataset)}:".encode() + lengths.tobytes()).hexdigest()
+    path = reference_path(output_dir)
+    found = _read_if_current(path, fingerprint)
+    if found is not None and {len(v) for v in found.values()} == {len(dataset)}:
+        return WithReference(dataset, found)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(dataset), world))
+    batch_size = config.per_device_eval_batch_size or config.per_device_train_batch_size
+    forwards = -(-(-(-len(dataset) // world)) // batch_size)
+    pad_token_id = method.pad_token_id
+
+    class _Through:  # the reference pass through the prepared module (DDP / FSDP2 hooks included)
+        @staticmethod
+        def reference_logps(input_ids, labels, attention_mask):
+            return module(input_ids=input_ids, labels=labels, attention_mask=attention_mask, reference_only=True)
+
+    was_training = module.training
+    module.eval()
+    values: dict[str, list[float]] = {}
+    for start in range(0, forwards * batch_size, batch_size):
+        chunk = mine[start:start + batch_size]
+        rows = [dataset[i] for i in chunk] or [dataset[0]]  # a rank short of examples still runs the forward
+        computed = compute_reference_logps(method, _Through, rows, len(rows), pad_token_id, accelerator.device)
+        if chunk:
+            for name, tensor in computed.items():
+                values.setdefault(name, []).extend(tensor.tolist())
+    module.train(was_training)
+    gathered = gather_object([(mine, values)])
+    tensors = {name: torch.zeros(len(dataset)) for name in _columns(method.paired)}
+    for indices, rank_values in gathered:
+        for name, column in rank_values.items():
+            tensors[name][torch.as_tensor(indices[:len(column)], dtype=torch.long)] = torch.as_tensor(column)
+    if accelerator.is_main_process:
+        _write(path, tensors, fingerprint)
+    accelerator.wait_for_everyone()
+    return WithReference(dataset, tensors)
+
+
+def _read_if_current(path: Path, fingerprint: str) -> dict[str, torch.Tensor] | None:
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("fingerprint") != fingerprint:
+                return None
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError):  # damaged: computed again
+        return None
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
+    from safetensors.torch import save_file
+
+    from ..atomic import atomic_path
+
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": fingerprint})

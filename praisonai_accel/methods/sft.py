@@ -11,6 +11,11 @@ class SFT(TrainingMethod):
     name = "sft"
     unit = "target tokens"
 
+    def data(self, tokenizer):
+        from ..data import SFTData
+
+        return SFTData(tokenizer, self.config)
+
     def collator(self, pad_token_id: int):
         from ..data import PadCollator
 
@@ -29,25 +34,33 @@ class SFT(TrainingMethod):
         return batch_targets(batch)
 
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
-        from .lm_loss import CausalLMLoss, load_liger, verify_head, wraps_head
+        from .lm_loss import CausalLMLoss, load_liger
 
         config = self.config
         module = CausalLMLoss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
-        if module.chunked and wraps_head(module):
-            module.chunked = False
-            log.info("loss: lm_head is trained through peft (LoRA or modules_to_save), which the chunked loss would "
-                     "bypass; using the model's full logits")
-        probe = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
-        if module.chunked and not head_verified(accelerator, lambda: verify_head(module, probe, accelerator.device)):
-            module.chunked = False
-            log.warning("warning: this model's head is not a plain linear layer over the decoder output; "
-                        "the loss uses its full logits")
-        log.info("loss: %s", "liger fused linear cross-entropy" if module.liger is not None and module.chunked else
-                 "LM head at target positions only, chunked" if module.chunked else "full logits")
-        return module
+        return settle_chunking(module, accelerator, tokenizer)
 
     def forward(self, module, batch: dict):
         return module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids")), {}
+
+
+def settle_chunking(module, accelerator, tokenizer):
+    """The LM head at target positions only, in chunks, where that gives the model's own logits; else full logits
+    (peft trains the head, or the head is not a plain linear layer over the decoder output)."""
+    from .lm_loss import verify_head, wraps_head
+
+    if module.chunked and wraps_head(module):
+        module.chunked = False
+        log.info("loss: lm_head is trained through peft (LoRA or modules_to_save), which the chunked loss would "
+                 "bypass; using the model's full logits")
+    probe = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+    if module.chunked and not head_verified(accelerator, lambda: verify_head(module, probe, accelerator.device)):
+        module.chunked = False
+        log.warning("warning: this model's head is not a plain linear layer over the decoder output; "
+                    "the loss uses its full logits")
+    log.info("loss: %s", "liger fused linear cross-entropy" if getattr(module, "liger", None) is not None and module.chunked
+             else "LM head at target positions only, chunked" if module.chunked else "full logits")
+    return module
 
 
 def head_verified(accelerator, verify) -> bool:

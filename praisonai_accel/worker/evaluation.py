@@ -32,7 +32,8 @@ def evaluate(accelerator, loss_module, method, eval_data, collate, batch_size: i
     loss_module.train()
     totals = accelerator.reduce(sums, "sum")
     units = totals[1].clamp(min=1)
-    return float(totals[0] / units), {name: float(totals[2 + i] / units) for i, name in enumerate(method.metric_names)}
+    sums = {name: float(totals[2 + i]) for i, name in enumerate(method.metric_names)}
+    return float(totals[0] / units), method.reduce_metrics(sums, float(totals[1])) if sums else {}
 
 
 def improved(metric: float, best: float | None, greater_is_better: bool, threshold: float) -> bool:

@@ -28,7 +28,7 @@ def packing_for(config: TrainConfig, backend, warn: bool = True) -> bool:
     return config.packing
 
 
-def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared: bool):
+def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared: bool, method_data=None):
     """(train set, eval set or None, {"seconds", "cached"}). One rank tokenizes (rank 0, or each node's first where
     the cache is not on shared storage) while the others wait through the file system: a collective would time
     out after ddp_timeout on a large dataset. `praisonai-accel train` tokenizes in the launcher while the workers
@@ -44,7 +44,7 @@ def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared
     elif not builds:
         wait_for_cache(config, tokenizer, failed)
     try:
-        train, stats, from_cache, evaluation = load_datasets(config, tokenizer)
+        train, stats, from_cache, evaluation = load_datasets(config, tokenizer, method_data)
     except Exception as exc:
         if builds and accelerator.num_processes > 1:
             failed.parent.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,9 @@ class StepResult:
 class Window:
     """Steps since the last log line, summed over ranks."""
 
-    def __init__(self):
+    def __init__(self, reduce_metrics=None):
+        # a training method's metrics, as it logs them from their sums (methods/base.py)
+        self.reduce_metrics = reduce_metrics or (lambda sums, units: {k: v / max(units, 1) for k, v in sums.items()})
         self.steps = self.targets = self.tokens = self.positions = self.examples = self.units = 0
         self.loss_sum = self.flops = 0.0
         self.metric_sums: dict[str, float] = {}
@@ -72,7 +74,7 @@ class Window:
             "step": state.global_step,
             "epoch": round(state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1), 4),
             "loss": self.loss_sum / max(self.units, 1),
-            **{name: value / max(self.units, 1) for name, value in sorted(self.metric_sums.items())},
+            **(self.reduce_metrics(self.metric_sums, self.units) if self.metric_sums else {}),
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
             "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,

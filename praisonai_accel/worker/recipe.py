@@ -120,7 +120,8 @@ class Recipe:
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
 
-        train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared)
+        train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
+                                                                         self.method.data(self.tokenizer))
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
         loader = train_loader(config, train_data, self.collate, self.packing)
         loss_module = self.method.loss_module(model, accelerator=accelerator, tokenizer=self.tokenizer, use_cuda=use_cuda)
@@ -129,6 +130,10 @@ class Recipe:
             self._check_every_trainable_parameter_learns(loss_module, train_data)
         optimizer = build_optimizer(config, loss_module)
         self.model, self.optimizer, self.loader = accelerator.prepare(loss_module, optimizer, loader)
+        prepared = self.method.before_training(accelerator, self.model, train_data, self.collate, self.output_dir)
+        if prepared is not train_data:  # the method attached what it computed once (reference log-probs)
+            accelerator._dataloaders.remove(self.loader)  # one loader, as in a run without it: checkpoints agree
+            self.loader = accelerator.prepare(train_loader(config, prepared, self.collate, self.packing))
         self.parameter_bytes = parameter_bytes(self.model)
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
         self.scheduler = build_scheduler(config, self.optimizer, self.total_steps)
@@ -216,7 +221,7 @@ class Recipe:
         self._write_progress("running")
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         started = time.perf_counter()
-        window = Window()
+        window = Window(self.method.reduce_metrics)
         stop_early = False
         self.model.train()
         log_path = self.output_dir / "logs" / f"rank-{accelerator.process_index}.log"
@@ -232,7 +237,7 @@ class Recipe:
                         self._preempted()
                     state.global_step += 1
                     state.batches_in_epoch += len(group)
-                    consumed = sum(len(b["input_ids"]) for b in group) * world
+                    consumed = sum(self.method.examples_in(b) for b in group) * world
                     state.samples_in_epoch += consumed
                     state.samples_seen += consumed
                     window.add(step)
@@ -245,7 +250,7 @@ class Recipe:
                         metrics.log(record)
                         state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
                         state.last_loss = record["loss"]
-                        window = Window()
+                        window = Window(self.method.reduce_metrics)
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         stop_early = self._evaluate_and_record(end_of_epoch)
                         watchdog.progress()

@@ -183,6 +183,7 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
     from peft import LoraConfig, get_peft_model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from praisonai_accel.data import batch_targets
     from praisonai_accel.loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
 
@@ -200,14 +201,17 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
 
     reference = lora_model()
     module = CausalLMLoss(reference)
+    expected_losses = []
     optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
     for group in groups:
-        from praisonai_accel.data import batch_targets
 
         targets = sum(batch_targets(b) for b in group)
+        step_loss = 0.0
         for batch in group:
             summed, _ = one_process(module, batch)
             (summed / targets).backward()
+            step_loss += float(summed.detach())
+        expected_losses.append(step_loss / targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     expected = adapter(reference)
@@ -240,4 +244,9 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
     start = adapter(lora_model())
     return {"adapter_diff": max(float((trained[k] - expected[k]).abs().max()) for k in expected),
             "moved": min(float((expected[k] - start[k]).abs().max()) for k in expected),
-            "names": sorted(trained) == sorted(expected), "losses": losses}
+            "names": sorted(trained) == sorted(expected), "losses": losses, "expected_losses": expected_losses}
+
+
+def proof(cases: list[list[str]]) -> dict:
+    """Both proofs in one pair of processes."""
+    return {"equality": equality(cases), "lora": lora_steps()}

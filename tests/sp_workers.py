@@ -248,5 +248,40 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
 
 
 def proof(cases: list[list[str]]) -> dict:
-    """Both proofs in one pair of processes."""
-    return {"equality": equality(cases), "lora": lora_steps()}
+    """Every proof in one pair of processes."""
+    return {"equality": equality(cases), "lora": lora_steps(), "fsdp2": fsdp2()}
+
+
+def fsdp2(kind: str = "qwen3", attention: str = "sdpa") -> dict:
+    """Full fine-tuning with FSDP2 sharding the model over the whole world (2 ranks, which are also the one sequence-
+    parallel group) and tiled MLPs: the gradients of one process on whole rows, from the reduce-scatter's average
+    and the recipe's world / targets scale."""
+    from torch.distributed.fsdp import fully_shard
+
+    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
+    from praisonai_accel.tiled_mlp import apply_tiled_mlp
+
+    batch = packed_batch(seed=5)
+    model = make_model(kind, attention)
+    summed, targets = one_process(CausalLMLoss(model), batch)
+    (summed / targets).backward()
+    expected = _grads(model)
+
+    sp, _layout = SequenceParallel.setup(2)
+    model = make_model(kind, attention)
+    apply_tiled_mlp(model, 2)
+    sp.apply(model)
+    module = ShardedCausalLMLoss(model)  # the root, as accelerate prepares the recipe's loss module
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(module)
+    shard = sp.shard_batch(batch)
+    local = shard_targets(shard).float()
+    dist.all_reduce(local)
+    loss = module(shard["input_ids"], shard["labels"], None, shard["position_ids"])
+    (loss * dist.get_world_size() / local).backward()
+    sp.end_batch()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+    return {"grad_diff": max(float((grads[k] - expected[k]).abs().max()) for k in expected),
+            "same_names": sorted(grads) == sorted(expected)}

@@ -51,6 +51,12 @@ def test_lora_under_ddp_trains_the_adapter_of_one_process(two_processes):
         assert lora["losses"] == pytest.approx(lora["expected_losses"], abs=1e-5)
 
 
+def test_fsdp2_over_the_whole_world_with_tiled_mlp_gives_one_process_gradients(two_processes):
+    for rank in two_processes:
+        assert rank["fsdp2"]["same_names"]
+        assert rank["fsdp2"]["grad_diff"] <= 1e-5, rank["fsdp2"]
+
+
 # ---------------------------------------------------------------- checks before launch
 
 def test_head_counts_that_cannot_be_split_are_named_in_one_line():

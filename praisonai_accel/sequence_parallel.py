@@ -15,6 +15,12 @@ once per micro-batch for the whole row, exactly as one process would build it. E
 slice's targets: the sum over the group is one process's sum over whole rows, and gradients summed over the group
 are one process's gradients (DDP's and FSDP2's averaging over the world then needs the same `world / targets` scale
 as without sequence parallelism; README "Long context").
+
+In a training loop: `sp, layout = SequenceParallel.setup(N)` once torch.distributed is up; the loss module is
+`ShardedCausalLMLoss` (after `verify_head`), then `sp.apply(model)`, both before DDP/FSDP wrapping; the training
+loader goes through `prepare_loader(accelerator, loader, layout)` (same rows for a group). Per micro-batch:
+`shard = sp.shard_batch(batch, pad_id)`, forward on the shard's four tensors, backward, `sp.end_batch()`; the
+step's target count is `shard_targets` summed over the world, and the loss is scaled by world / that count.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from .loss import CausalLMLoss, chunked_loss_sum, transformers_model
 
 # The attention implementations this wraps, and the names the wrappers are registered under.
 WRAPPED = {"sdpa": "ulysses_sdpa", "eager": "ulysses_eager"}
+WRAPPED_BY = {name: implementation for implementation, name in WRAPPED.items()}
 _ACTIVE: "SequenceParallel | None" = None  # the process's sequence-parallel state, read by the attention wrappers
 
 
@@ -257,6 +264,7 @@ class SequenceParallel:
         self.rank = dist.get_rank(group) if rank is None else rank
         self.batch: _Batch | None = None
         self.model_config = None
+        self.original: str | None = None
 
     @classmethod
     def setup(cls, size: int) -> tuple["SequenceParallel", Layout]:
@@ -283,7 +291,12 @@ class SequenceParallel:
             raise ConfigError(f"sequence_parallel_size: {type(base).__name__} does not use transformers' attention "
                               "interface, so its attention cannot be split; use sequence_parallel_size: 1")
         self.model_config = config
+        self.original = WRAPPED_BY.get(name, current)
         _ACTIVE = self
+
+    def restore(self, model) -> None:
+        """Puts the model's own attention back (whole rows in one process again: generation, a later evaluation)."""
+        transformers_model(model).set_attn_implementation(self.original)
 
     def shard_batch(self, batch: dict, pad_token_id: int = 0) -> dict:
         """This rank's slice of a micro-batch of whole rows, and the rows' facts for attention until the next call.
@@ -303,6 +316,9 @@ class SequenceParallel:
         packed = positions is not None
         targets = F.pad(labels[:, 1:], (0, 1 + pad), value=IGNORE_INDEX)
         input_ids = F.pad(input_ids, (0, pad), value=pad_token_id)
+        # Attention may treat the added padding as tokens: it comes last, so causally no real token sees it, and an
+        # unpadded row keeps sdpa's mask-free kernel (a mask is rows x T x T: 16 GiB of booleans for a 128k row).
+        attend = F.pad(attention, (0, pad), value=1)
         attention = F.pad(attention, (0, pad), value=0)
         if packed:
             positions = _extend_positions(positions, batch.get("attention_mask"), pad)
@@ -310,7 +326,7 @@ class SequenceParallel:
             positions = torch.arange(width, device=input_ids.device).expand(rows, width)
         # What one process would give the model on whole rows: packed rows, position ids and no mask (the loss
         # module drops it); other rows, the padding mask and default positions.
-        self.batch = _Batch(None if packed else attention, positions if packed else None, rows, width)
+        self.batch = _Batch(None if packed else attend, positions if packed else None, rows, width)
         part = width // self.size
         window = slice(self.rank * part, (self.rank + 1) * part)
         return {"input_ids": input_ids[:, window], "labels": targets[:, window], "attention_mask": attention[:, window],

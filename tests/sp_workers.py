@@ -136,7 +136,7 @@ def _grads(model) -> dict:
 # ---------------------------------------------------------------- workers
 
 def equality(cases: list[list[str]]) -> dict:
-    """Each case (architecture, attention, batch, chunked|full): summed loss and gradients of 1 process on whole rows
+    """Each case (architecture, attention, batch, chunked|full|chunked+checkpointing+tiled): summed loss and gradients of 1 process on whole rows
     against the group's sums; returns the largest differences of the mean loss and of its gradients."""
     from praisonai_accel.loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
@@ -146,12 +146,17 @@ def equality(cases: list[list[str]]) -> dict:
     for kind, attention, batch_name, loss_kind in cases:
         model = make_model(kind, attention)
         batch = BATCHES[batch_name](seed=1)
-        chunked = loss_kind == "chunked"
+        chunked = loss_kind != "full"
         summed, targets = one_process(CausalLMLoss(model, chunked=chunked), batch)
         (summed / targets).backward()
         expected = _grads(model)
         model.zero_grad(set_to_none=True)
 
+        if loss_kind == "chunked+checkpointing+tiled":  # layers recomputed in backward: all-to-alls again
+            from praisonai_accel.tiled_mlp import apply_tiled_mlp
+
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            apply_tiled_mlp(model, 3)
         sp.apply(model)
         shard = sp.shard_batch(batch)
         local = ShardedCausalLMLoss(model, chunked=chunked)(shard["input_ids"], shard["labels"],

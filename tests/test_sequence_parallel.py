@@ -20,7 +20,8 @@ from praisonai_accel.tiled_mlp import apply_tiled_mlp, decoder_mlps, tile_count
 CASES = [[kind, attention, batch, "chunked"] for kind in ("llama", "qwen3", "qwen3-1kv", "gemma2")
          for attention in ("sdpa", "eager") for batch in ("padded", "packed")]
 CASES += [["llama", "sdpa", "lonely", "chunked"], ["qwen3", "eager", "packed", "full"],
-          ["gemma2", "eager", "padded", "full"]]
+          ["gemma2", "eager", "padded", "full"], ["qwen3-1kv", "sdpa", "packed", "chunked+checkpointing+tiled"],
+          ["gemma2", "eager", "padded", "chunked+checkpointing+tiled"]]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +138,11 @@ def test_attention_outside_a_sharded_batch_is_an_error():
     SequenceParallel(2, rank=0).apply(model)
     with pytest.raises(RuntimeError, match="outside a sharded micro-batch"):
         model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    sp = SequenceParallel(2, rank=0)
+    sp.apply(model)  # applying twice keeps the original to go back to
+    sp.restore(model)
+    assert model.config._attn_implementation == "eager"
+    model(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
 def test_loader_gives_every_rank_of_a_group_the_same_rows():
@@ -220,3 +226,15 @@ def test_tiled_mlp_without_gradients_matches():
     ids = torch.randint(1, sp_workers.VOCAB, (2, 9))
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=ids).logits, tiled(input_ids=ids).logits, atol=1e-6)
+
+
+def test_padding_added_for_the_split_keeps_the_mask_free_kernel():
+    """An unpadded row of odd length gets one padding token; attention may treat it as a token (it comes last), so
+    sdpa still needs no mask (a mask is rows x T x T)."""
+    sp = SequenceParallel(2, rank=1)
+    sp.model_config = sp_workers.make_config("llama", "sdpa")
+    row = torch.ones(1, 11, dtype=torch.long)
+    shard = sp.shard_batch({"input_ids": row, "labels": row, "attention_mask": row})
+    assert shard["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0]]  # counts: the padding is no token
+    assert sp.batch.mask(sp.model_config, "sdpa", None, torch.zeros(1)) is None
+    assert sp.batch.mask(sp.model_config, "eager", None, torch.zeros(1)).shape == (1, 1, 12, 12)

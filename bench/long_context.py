@@ -159,7 +159,7 @@ def main() -> None:
             results["runs"][name] = {"by_length": rows, "longest_measured_within_budget": measured,
                                      "longest_fitted_within_budget": fitted}
     results["seconds"] = time.perf_counter() - started
-    print(f"\n| run | " + " | ".join(f"{n // 1024}k" for n in lengths) + f" | longest row within {args.budget_mib:.0f} MiB "
+    print("\n| run | " + " | ".join(f"{n // 1024}k" for n in lengths) + f" | longest row within {args.budget_mib:.0f} MiB "
           "(measured / fitted) |")
     print("|---|" + "---|" * len(lengths) + "---|")
     for name, run in results["runs"].items():

@@ -136,8 +136,9 @@ def _grads(model) -> dict:
 # ---------------------------------------------------------------- workers
 
 def equality(cases: list[list[str]]) -> dict:
-    """Each case (architecture, attention, batch, chunked|full|chunked+checkpointing+tiled): summed loss and gradients of 1 process on whole rows
-    against the group's sums; returns the largest differences of the mean loss and of its gradients."""
+    """Each case (architecture, attention, batch, chunked | full | chunked+checkpointing+tiled): the summed loss and
+    gradients of 1 process on whole rows against the group's sums; returns the largest differences of the mean loss
+    and of its gradients."""
     from praisonai_accel.loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
 
@@ -181,7 +182,7 @@ def equality(cases: list[list[str]]) -> dict:
 
 def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> dict:
     """3 AdamW steps of LoRA, 2 micro-batches each (packed, then padded rows): 1 process on whole rows against 2
-    processes under DDP with sequence_parallel_size 2, the loss scaled as the recipe scales it (world / the step's
+    processes under DDP with sequence_parallel_size 2 and tiled MLPs, the loss scaled as the recipe scales it (world / the step's
     global target count, DDP averaging over the world). Returns the largest difference of the adapters."""
     from contextlib import nullcontext
 
@@ -191,6 +192,7 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
     from praisonai_accel.data import batch_targets
     from praisonai_accel.loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
+    from praisonai_accel.tiled_mlp import apply_tiled_mlp
 
     def lora_model():
         torch.manual_seed(0)
@@ -223,8 +225,9 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
 
     sp, _layout = SequenceParallel.setup(2)
     model = lora_model()
+    apply_tiled_mlp(model, 2)
     sp.apply(model)
-    ddp = DDP(ShardedCausalLMLoss(model))
+    ddp = DDP(ShardedCausalLMLoss(model), find_unused_parameters=True)  # as the recipe wraps it
     world = dist.get_world_size()
     optimizer = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-3)
     losses = []

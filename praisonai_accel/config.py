@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
@@ -142,6 +142,25 @@ class TrainConfig(_Strict):
     preemption_grace_seconds: int = Field(default=120, ge=0)  # SIGTERM to SIGKILL, for the save (torchrun's default: 30)
     chunked_loss: bool = True  # LM head + cross-entropy at target positions only, in chunks; false: the model's full logits
     use_liger: Union[bool, Literal["auto"]] = "auto"  # liger-kernel's fused linear cross-entropy, on a GPU
+    # long context (README "Long context"): ranks sharing every row (Ulysses), and the MLP over tiles of the row
+    sequence_parallel_size: int = Field(default=1, ge=1)
+    tiled_mlp: bool = False
+    tiled_mlp_shards: int | None = Field(default=None, gt=0)  # default: about hidden_size tokens per tile
+
+    @field_validator("sequence_parallel_size")
+    @classmethod
+    def _sequence_parallel_backend(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("use_unsloth") is True:
+            raise ValueError("sequence_parallel_size: unsloth's own attention cannot be split over ranks; "
+                             "set use_unsloth: false (or auto)")
+        return value
+
+    @field_validator("tiled_mlp_shards")
+    @classmethod
+    def _shards_need_tiling(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("tiled_mlp"):
+            raise ValueError("tiled_mlp_shards: only used with tiled_mlp: true; set it, or remove tiled_mlp_shards")
+        return value
 
     # outputs
     output_dir: str = "outputs"

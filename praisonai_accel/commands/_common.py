@@ -52,7 +52,9 @@ def tokenized_or_fail(config):
         tokenizer = load_tokenizer(config)
     except (OSError, ValueError) as exc:
         fail(cannot_load_tokenizer(config, exc))
-    return (tokenizer, *load_datasets(config, tokenizer))
+    from ..methods import method_for
+
+    return (tokenizer, *load_datasets(config, tokenizer, method_for(config).data(tokenizer)))
 
 
 def cannot_load_tokenizer(config, exc: BaseException) -> str:

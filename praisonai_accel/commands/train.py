@@ -161,6 +161,7 @@ def preprocess_beside_workers(cfg, status: Path) -> None:
     from ..data import DataError, cached_for_inputs, load_datasets, load_tokenizer
     from ..handoff import write_preprocessing_status
     from ..logs import quiet_datasets
+    from ..methods import method_for
     from ._common import cannot_load_tokenizer
 
     write_preprocessing_status(status, "running")
@@ -182,7 +183,7 @@ def preprocess_beside_workers(cfg, status: Path) -> None:
             write_preprocessing_status(status, "failed", cannot_load_tokenizer(cfg, exc))
             return
         try:
-            cached = load_datasets(cfg, tokenizer)[2]
+            cached = load_datasets(cfg, tokenizer, method_for(cfg).data(tokenizer))[2]
         except DataError as exc:
             write_preprocessing_status(status, "failed", str(exc))
         except Exception as exc:

@@ -188,14 +188,14 @@ def uses_reentrant_checkpointing(config: TrainConfig, backend: Backend) -> bool:
                                                                 and bool(config.use_gradient_checkpointing))
 
 
-def parameters_without_gradient(loss_module, batch) -> list[str]:
+def parameters_without_gradient(loss_module, batch, forward) -> list[str]:
     """The trainable parameters one forward and backward of `batch` leaves without a gradient; the RNG is left as
-    it was and the gradients are dropped."""
+    it was and the gradients are dropped. `forward(module, batch)`: the training method's (methods/base.py)."""
     import torch
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        loss_module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids")).backward()
+        forward(loss_module, batch)[0].backward()
     missing = [name for name, p in loss_module.named_parameters() if p.requires_grad and p.grad is None]
     loss_module.zero_grad(set_to_none=True)
     return missing

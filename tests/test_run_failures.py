@@ -107,6 +107,7 @@ def test_reentrant_checkpointing_refuses_parameters_that_get_no_gradient(tiny_mo
     from transformers import AutoModelForCausalLM
 
     from praisonai_accel.methods.lm_loss import CausalLMLoss
+    from praisonai_accel.methods.sft import SFT
     from praisonai_accel.model import parameters_without_gradient
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
@@ -119,10 +120,11 @@ def test_reentrant_checkpointing_refuses_parameters_that_get_no_gradient(tiny_mo
     ids = torch.randint(0, 300, (1, 12))
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     state = torch.get_rng_state()
-    assert parameters_without_gradient(module, batch) == []
+    forward = SFT(None).forward
+    assert parameters_without_gradient(module, batch, forward) == []
     assert torch.equal(state, torch.get_rng_state())
     model.unused = torch.nn.Linear(2, 2)  # trainable, never run: a vision tower on text-only data, say
-    assert parameters_without_gradient(module, batch) == ["causal_lm.unused.weight", "causal_lm.unused.bias"]
+    assert parameters_without_gradient(module, batch, forward) == ["causal_lm.unused.weight", "causal_lm.unused.bias"]
 
 
 def test_preflight_names_the_rank_that_does_not_answer(tmp_path, tiny_model, alpaca_file):

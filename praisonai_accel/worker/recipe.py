@@ -152,7 +152,8 @@ class Recipe:
         """Reentrant checkpointing under DDP runs without unused-parameter detection, which is only right when every
         trainable parameter gets a gradient from a batch: checked on one example before DDP wraps the model."""
         batch = self.collate([dataset[0]])
-        missing = parameters_without_gradient(loss_module, {k: v.to(self.accelerator.device) for k, v in batch.items()})
+        batch = {k: v.to(self.accelerator.device) if hasattr(v, "to") else v for k, v in batch.items()}
+        missing = parameters_without_gradient(loss_module, batch, self.method.forward)
         if missing:
             raise ConfigError(
                 f"reentrant gradient checkpointing (unsloth's, or use_gradient_checkpointing: reentrant) under DDP needs "

@@ -103,6 +103,12 @@ def run_ours(args) -> dict:
     # --gpu: fp32 weights under bf16 autocast, as TRL's bf16=True runs them
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
+    if args.precompute:  # once, before the first step, as precompute_ref_log_probs does (not timed, as in TRL)
+        from praisonai_accel.methods.reference_logps import WithReference, compute_reference_logps
+
+        with autocast:
+            tensors = compute_reference_logps(method, module, examples, args.batch, tokenizer.pad_token_id, device)
+        examples = [WithReference(examples, tensors)[i] for i in range(len(examples))]
     times, losses = [], []
     for step in range(args.steps):
         batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
@@ -149,7 +155,8 @@ def run_trl(args) -> dict:
     config = DPOConfig(output_dir=str(Path(args.out) / "trl"), max_steps=args.steps, per_device_train_batch_size=args.batch,
                        learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                        report_to="none", max_length=args.length, use_cpu=not args.gpu, bf16=args.gpu, seed=0, dataloader_num_workers=0,
-                       disable_tqdm=True, beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=False)
+                       disable_tqdm=True, beta=0.1, loss_type=["sigmoid"],
+                       precompute_ref_log_probs=args.precompute)
     peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     trainer = DPOTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(pairs),
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimes()])
@@ -169,6 +176,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, bf16 autocast; memory = peak GPU allocated")
+    parser.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs on both sides")
     parser.add_argument("--child", choices=["ours", "trl"])
     parser.add_argument("--model")
     parser.add_argument("--data")
@@ -197,7 +205,7 @@ def main() -> None:
     for name in ("ours", "trl"):
         command = [sys.executable, __file__, "--child", name, "--model", str(model), "--data", str(data), "--out",
                    str(work), "--work", str(work), "--batch", str(args.batch), "--steps", str(args.steps),
-                   "--length", str(args.length), "--lr", str(args.lr)] + (["--gpu"] if args.gpu else [])
+                   "--length", str(args.length), "--lr", str(args.lr)] + (["--gpu"] if args.gpu else []) + (["--precompute"] if args.precompute else [])
         started = time.time()
         subprocess.run(command, check=True, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
         results[name] = json.loads((work / f"{name}.json").read_text())
@@ -207,7 +215,7 @@ def main() -> None:
     summary = {
         "device": "gpu (bf16 autocast); memory: peak GPU allocated" if args.gpu else "cpu (fp32); memory: peak RSS",
         "shape": {"vocab": args.vocab, "hidden": 512, "layers": args.layers, "length": args.length, "batch_pairs": args.batch,
-                  "steps": args.steps, "lora_r": 16, "tokens_per_pair": results["ours"]["tokens_per_pair"]},
+                  "steps": args.steps, "lora_r": 16, "precompute_ref_log_probs": args.precompute, "tokens_per_pair": results["ours"]["tokens_per_pair"]},
         "step_time_ratio": results["ours"]["median_step_seconds"] / results["trl"]["median_step_seconds"],
         "peak_rss_ratio": results["ours"]["peak_rss_mib"] / results["trl"]["peak_rss_mib"],
         "ours": results["ours"], "trl": results["trl"],

@@ -113,5 +113,5 @@ python3 bench/gpu_report.py "$WORK" "$RESULTS/gpu37.json"
 # DPO (bench/dpo.py): ours (the preference loss module, plain AdamW loop) vs TRL's DPOTrainer, same model shape
 # (128k vocabulary), pairs up to 512 tokens, LoRA r16, bf16 autocast; step time and peak GPU memory as ratios
 if python3 -c "import trl" >/dev/null 2>&1; then
-  python3 bench/dpo.py --work "$WORK/dpo" --gpu --pairs 16 --batch 4 --steps 12 --length 512 --layers 4 | tee -a "$WORK/results.jsonl"
+  python3 bench/dpo.py --work "$WORK/dpo" --gpu --pairs 16 --batch 4 --steps 12 --length 512 --layers 4  # writes $WORK/dpo/dpo_bench.json
 fi

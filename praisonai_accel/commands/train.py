@@ -136,8 +136,6 @@ def train_command(
         plan.env[VERBOSE_ENV] = "1"
     if plan.num_processes > 1 and not dry_run:
         plan.env[MEMORY_NOTE_ENV] = memory_note(cfg, per_node, fsdp)
-    if not dry_run:
-        hold_run_lock(cfg, nodes, plan.env)
 
     check_device_map(cfg, plan.num_processes)
     check_checkpointing(cfg, plan.num_processes)
@@ -159,6 +157,7 @@ def train_command(
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
+    hold_run_lock(cfg, nodes, plan.env)  # after every check, which writes nothing: a refusal leaves no output_dir
     status = preprocess_beside_workers(cfg, plan)
     where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
     typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)

@@ -9,8 +9,8 @@ included. What the file says decides the rest:
 - held (flock refused), or naming a live process on this host: refused, naming the holder;
 - naming a process that no longer exists on this host (same boot, pid gone or reused): taken over with a warning;
 - naming the same job (SLURM_JOB_ID, torchrun's agent or run id): a requeued or restarted attempt, taken over;
-- naming a process on another host: refused unless flock says it is free AND the host is this one; we cannot see
-  another host's processes, and on a file system whose flock is local to each client a free flock proves nothing.
+- naming a process of another job on another host: refused, naming the file to delete if that run is over; another
+  host's processes cannot be checked from here, and where flock is local to each client a free flock proves nothing.
 Where flock is not supported at all, creating the file with O_EXCL is the lock, and the same rules apply to a file
 that is already there.
 """

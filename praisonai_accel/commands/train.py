@@ -80,7 +80,6 @@ def train_command(
     start = check_before_launch(cfg, processes)
     if not dry_run:
         check_hub_access(cfg)
-        hold_run_lock(cfg, nodes)
     status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     handoff = worker_environment(verbose=verbose, preprocessing_status=status, run_lock=not dry_run,
                                  checked_checkpoints=verdicts(),
@@ -105,6 +104,7 @@ def train_command(
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
+    hold_run_lock(cfg, nodes)  # after every check: a refused launch writes nothing, not even output_dir
     preprocess_beside_workers(cfg, status)
     where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
     typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)

@@ -108,7 +108,10 @@ def latest_intact(output_dir: Path) -> Path:
     """The newest complete checkpoint whose files match its manifest and can be read; each newer one that fails is
     named in one warning line (a requeued job heals by itself). Refuses when none is intact."""
     failed = []
-    for path in reversed(complete_checkpoints(output_dir)):
+    for path in reversed(checkpoints(output_dir)):
+        if not is_complete(path):
+            log.warning("skipping incomplete checkpoint %s (no %s marker)", path, MARKER)
+            continue
         reason, said = trouble(path)
         if reason is None:
             return path

@@ -84,7 +84,7 @@ def run_ours(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from praisonai_accel.data import ensure_chat_template
-    from praisonai_accel.methods.preference import PreferenceMethod
+    from praisonai_accel.methods.preference import PreferenceLoss, PreferenceMethod
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -99,7 +99,7 @@ def run_ours(args) -> dict:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                              task_type="CAUSAL_LM"))
     device = "cuda" if args.gpu else "cpu"
-    module = method.loss_module(model.to(device), config, chunked=True).train()
+    module = PreferenceLoss(model.to(device), config, chunked=True).train()
     # --gpu: fp32 weights under bf16 autocast, as TRL's bf16=True runs them
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)

@@ -8,6 +8,7 @@ from .commands.chat import chat_command, generate_command
 from .commands.config import config_command
 from .commands.demo import demo_command
 from .commands.env import env_command
+from .commands.export import export_app
 from .commands.k8s import k8s_command
 from .commands.merge import merge_command
 from .commands.preprocess import preprocess_command
@@ -37,6 +38,7 @@ app.command("merge")(merge_command)
 app.command("chat")(chat_command)
 app.command("generate")(generate_command)
 app.add_typer(publish_app, name="publish")
+app.add_typer(export_app, name="export")
 
 
 def main() -> None:

@@ -201,7 +201,10 @@ def _hub_publisher(config, env: DistEnv):
 def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
     """Wait for Hub uploads, then create the Ollama model; returns one line per failure."""
     problems = publisher.wait() if publisher is not None else []
-    if config.ollama_model:
+    from .gguf_export import after_training  # save_gguf, huggingface_save_gguf, ollama_save (Ollama FROM the GGUF)
+
+    problems += after_training(config, final_dir)
+    if config.ollama_model and not config.ollama_save:
         from .ollama_publish import publish
 
         try:

@@ -13,6 +13,7 @@ from ._common import (
     bf16_supported, check_checkpointing, check_device_map, check_final_model_dir, check_hub_access, check_local_inputs, check_resume,
     check_not_deepspeed, check_trackers, count_cuda_gpus, fail, load_config_or_fail,
 )
+from .export import check_gguf_before_training
 
 
 def resolve_processes(gpus: Optional[str], cpu: bool, num_processes: Optional[int], available_gpus) -> tuple[int, Optional[list[int]]]:
@@ -114,6 +115,7 @@ def train_command(
     cfg = load_config_or_fail(config)
     check_local_inputs(cfg)
     check_trackers(cfg)
+    check_gguf_before_training(cfg)
     if accelerate_config is not None and not accelerate_config.is_file():
         fail(f"--accelerate-config: no such file '{accelerate_config}'")
     if accelerate_config is not None:

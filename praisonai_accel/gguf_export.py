@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +32,6 @@ from .gguf_vocab import stage_for_converter
 
 log = logging.getLogger("praisonai_accel")
 
-# llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers, for its quantizer, of praisonai-train's quantization_method values.
-LLAMA_FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12, "q4_k_m": 15,
-                "q5_k_m": 17, "q6_k": 18, "f16": 1, "bf16": 32}
 QUANTIZATION_METHODS = TrainConfig.GGUF_METHODS
 CONVERTER_WRITES = ("f16", "bf16", "q8_0")  # the converter writes these itself (gguf-py), from the float32 merge
 
@@ -46,7 +44,7 @@ def quantization_methods(value) -> list[str]:
     methods = []
     for name in names:
         method = str(name).strip().lower()
-        if method not in LLAMA_FTYPES:
+        if method not in QUANTIZATION_METHODS:
             raise GGUFError(f"quantization_method: '{name}' is not a GGUF quantization; use one of "
                             f"{', '.join(QUANTIZATION_METHODS)}")
         methods.append(method)
@@ -162,11 +160,12 @@ def merge_in_full_precision(plan: ExportPlan, target: Path) -> Path:
         from .model import _quantization_config  # the 4-bit settings training used
 
         kwargs["quantization_config"] = _quantization_config(torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(base_name, **kwargs).dequantize().to(torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_name, **kwargs).dequantize(dtype=torch.float32)
     else:
         base = AutoModelForCausalLM.from_pretrained(base_name, **kwargs)
-    merged = PeftModel.from_pretrained(base, str(plan.source)).merge_and_unload()
-    merged.config.torch_dtype = torch.float32
+    with warnings.catch_warnings():  # the libraries' deprecation notes are not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        merged = PeftModel.from_pretrained(base, str(plan.source)).merge_and_unload()
     merged.save_pretrained(target, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(plan.source), trust_remote_code=plan.trust_remote_code).save_pretrained(target)
     return target
@@ -190,10 +189,28 @@ def _run(args: list[str], what: str) -> None:
         raise GGUFError(f"{what} failed: {(errors or lines or ['exit code %d' % done.returncode])[-1].strip()}")
 
 
-def convert(converter: Path, model_dir: Path, outfile: Path, outtype: str) -> Path:
-    _run([sys.executable, str(converter), str(model_dir), "--outfile", str(outfile), "--outtype", outtype],
-         f"llama.cpp's converter ({outtype})")
+def convert(converter: Path, model_dir: Path, outfile: Path, outtype: str, name: str) -> Path:
+    try:
+        _run([sys.executable, str(converter), str(model_dir), "--outfile", str(outfile), "--outtype", outtype,
+              "--model-name", name], f"llama.cpp's converter ({outtype})")
+    except GGUFError as exc:
+        if "BPE pre-tokenizer was not recognized" in str(exc):
+            raise GGUFError(f"llama.cpp's converter ({outtype}) does not recognise this tokenizer's BPE pre-tokenizer "
+                            "(it knows them by the hash of a fixed text's tokens: a tokenizer trained on the spot, or "
+                            "newer than this llama.cpp, has none it knows)") from None
+        raise
     return outfile
+
+
+def general_name(plan: ExportPlan, model_dir: Path) -> str:
+    """general.name: the base model's name and the trained folder's, e.g. Phi-3-mini-4k-instruct-lora_model."""
+    from .gguf_vocab import strips_after_special_tokens
+    from .inference import base_model_of
+
+    name = f"{Path(base_model_of(plan.source)).name}-{plan.stem}" if plan.adapter else plan.stem
+    if strips_after_special_tokens(model_dir) and not re.search(r"phi-?3", name, re.IGNORECASE):
+        name = f"phi3-{name}"  # llama.cpp strips after the special tokens only for a model named so
+    return name
 
 
 def quantize(source: Path, outfile: Path, method: str) -> Path:
@@ -209,29 +226,59 @@ def _quantize_here(source: str, outfile: str, method: str) -> int:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FTYPES[method]
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{method.upper()}")
     return llama_cpp.llama_model_quantize(source.encode(), outfile.encode(), ctypes.byref(params))
 
 
-def end_of_turn_fix(model_dir: Path, trust_remote_code: bool) -> int | None:
+def end_of_turn_fix(tokenizer) -> int | None:
     """The id of the token the chat template ends a reply with, when it is not the tokenizer's eos."""
-    from transformers import AutoTokenizer
-
     from .chat_masking import end_of_turn_token
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     token = end_of_turn_token(tokenizer)
     if token is None or token == tokenizer.eos_token:
         return None
     return tokenizer.convert_tokens_to_ids(token)
 
 
-def set_end_of_turn(converter: Path, gguf_file: Path, token_id: int) -> None:
-    """Rewrite the metadata with tokenizer.ggml.eot_token_id (gguf-py's own gguf_new_metadata)."""
-    script = converter.parent / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
-    rewritten = gguf_file.with_name(gguf_file.name + ".eot")
-    _run([sys.executable, str(script), str(gguf_file), str(rewritten), "--special-token-by-id", "eot", str(token_id),
-          "--force"], "writing the end-of-turn token")
+# gguf-py's own gguf_new_metadata.copy_with_new_metadata, run beside the converter: a copy of the file with some keys set.
+_SET_METADATA = """
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+sys.path[:0] = [str(root / "gguf-py"), str(root / "gguf-py" / "gguf" / "scripts")]
+import gguf
+from gguf_new_metadata import MetadataDetails, copy_with_new_metadata, get_field_data
+source, target, values = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+reader = gguf.GGUFReader(source, "r")
+writer = gguf.GGUFWriter(target, arch=get_field_data(reader, gguf.Keys.General.ARCHITECTURE), endianess=reader.endianess)
+alignment = get_field_data(reader, gguf.Keys.General.ALIGNMENT)
+if alignment is not None:
+    writer.data_alignment = alignment
+copy_with_new_metadata(reader, writer, {key: MetadataDetails(getattr(gguf.GGUFValueType, kind), value)
+                                        for key, (kind, value) in values.items()}, [])
+"""
+
+
+def tokenizer_metadata(tokenizer, model_dir: Path) -> dict[str, tuple[str, object]]:
+    """What the converter does not write from a transformers 5 folder: the end-of-turn token when it is not eos, and
+    for a SentencePiece-kind vocabulary whether a space is prefixed after each special token, as the tokenizer does
+    (llama.cpp prefixes the text at the start and after every special token, or nowhere)."""
+    from .gguf_vocab import prefixes_after_special_tokens
+
+    values: dict[str, tuple[str, object]] = {}
+    eot = end_of_turn_fix(tokenizer)
+    if eot is not None:
+        values["tokenizer.ggml.eot_token_id"] = ("UINT32", eot)
+    prefix = prefixes_after_special_tokens(model_dir, tokenizer)
+    if prefix is not None:
+        values["tokenizer.ggml.add_space_prefix"] = ("BOOL", prefix)
+    return values
+
+
+def set_metadata(converter: Path, gguf_file: Path, values: dict[str, tuple[str, object]]) -> None:
+    rewritten = gguf_file.with_name(gguf_file.name + ".meta")
+    _run([sys.executable, "-c", _SET_METADATA, str(converter.parent), str(gguf_file), str(rewritten), json.dumps(values)],
+         "writing the tokenizer's metadata")
     os.replace(rewritten, gguf_file)
 
 
@@ -243,9 +290,13 @@ def export_gguf(plan: ExportPlan) -> list[Path]:
     work = Path(tempfile.mkdtemp(prefix=".gguf-work-", dir=plan.out_dir))
     written: list[Path] = []
     try:
+        from transformers import AutoTokenizer
+
         model_dir = merge_in_full_precision(plan, work / "merged") if plan.adapter else plan.source
-        eot = end_of_turn_fix(model_dir, plan.trust_remote_code)
-        model_dir = stage_for_converter(model_dir, work / "stage", tokenizer_sources(plan))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=plan.trust_remote_code)
+        metadata = tokenizer_metadata(tokenizer, model_dir)
+        name = general_name(plan, model_dir)
+        model_dir = stage_for_converter(model_dir, work / "stage", tokenizer_sources(plan), tokenizer)
         sixteen = "bf16" if "bf16" in plan.methods else "f16"  # what k-quants start from
         made: dict[str, Path] = {}
         order = [m for m in CONVERTER_WRITES if m in plan.methods]
@@ -253,9 +304,9 @@ def export_gguf(plan: ExportPlan) -> list[Path]:
             order.insert(0, sixteen)
         for outtype in order:
             log.info("gguf: converting %s to %s with llama.cpp's converter", plan.source, outtype.upper())
-            made[outtype] = convert(plan.converter, model_dir, work / f"{outtype}.gguf", outtype)
-            if eot is not None:
-                set_end_of_turn(plan.converter, made[outtype], eot)
+            made[outtype] = convert(plan.converter, model_dir, work / f"{outtype}.gguf", outtype, name)
+            if metadata:
+                set_metadata(plan.converter, made[outtype], metadata)
         for method in plan.methods:
             if method not in made:
                 log.info("gguf: quantizing to %s with llama.cpp's quantizer", method.upper())

@@ -28,7 +28,10 @@ SAMPLE = ("Hello world!  Two  spaces, a tab\tand\nnew lines\n\n 3.14159 1234567 
           "ada bob cy dee eve fay gus hal ivy jo")
 
 
-def stage_for_converter(model_dir: Path, stage: Path, tokenizer_sources: list[Path]) -> Path:
+LLAMA_CPP_NO_RSTRIP = ("<unk>", "<s>", "</s>", "<|endoftext|>")  # llama.cpp's phi-3 rule leaves these as they are
+
+
+def stage_for_converter(model_dir: Path, stage: Path, tokenizer_sources: list[Path], tokenizer) -> Path:
     """A folder the converter reads: model_dir's files linked, with the tokenizer files it needs added."""
     model_dir, stage = Path(model_dir), Path(stage)
     stage.mkdir(parents=True)
@@ -37,8 +40,9 @@ def stage_for_converter(model_dir: Path, stage: Path, tokenizer_sources: list[Pa
             os.symlink(path.resolve(), stage / path.name)
     config_path = model_dir / "tokenizer_config.json"
     if config_path.is_file():
-        (stage / "tokenizer_config.json").write_text(json.dumps(_with_added_tokens(model_dir, json.loads(config_path.read_text())),
-                                                                ensure_ascii=False, indent=2))
+        config = _with_added_tokens(model_dir, json.loads(config_path.read_text()))
+        (stage / "tokenizer_config.json").write_text(json.dumps(_with_bos_and_eos(config, tokenizer), ensure_ascii=False,
+                                                                indent=2))
     if not (stage / "tokenizer.model").exists():
         for directory in tokenizer_sources:
             if directory is not None and (Path(directory) / "tokenizer.model").is_file():
@@ -67,6 +71,41 @@ def _with_added_tokens(model_dir: Path, config: dict) -> dict:
     if "tokenizer_class" not in config:  # read unconditionally by the converter's Phi-3 class
         config["tokenizer_class"] = "LlamaTokenizer"
     return config
+
+
+def _with_bos_and_eos(config: dict, tokenizer) -> dict:
+    """add_bos_token / add_eos_token as the tokenizer behaves: llama.cpp adds bos to a SentencePiece vocabulary
+    unless the GGUF says otherwise, and transformers 5 no longer writes these keys."""
+    ids = tokenizer("a").input_ids
+    config = dict(config)
+    config.setdefault("add_bos_token", bool(ids) and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id)
+    config.setdefault("add_eos_token", bool(ids) and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id)
+    return config
+
+
+def strips_after_special_tokens(model_dir: Path) -> bool:
+    """Special tokens that swallow the whitespace after them (Phi-3's <|user|>\n). llama.cpp gives its tokens that
+    behaviour only when the model's general.name says phi-3 (llama-vocab.cpp), so the name must say it."""
+    try:
+        added = json.loads((Path(model_dir) / "tokenizer.json").read_text()).get("added_tokens") or []
+    except (OSError, ValueError):
+        return False
+    specials = [token for token in added if token.get("special") and token.get("content") not in LLAMA_CPP_NO_RSTRIP]
+    return bool(specials) and all(token.get("rstrip") for token in specials)  # llama.cpp's rule, on the same tokens
+
+
+def prefixes_after_special_tokens(model_dir: Path, tokenizer) -> bool | None:
+    """For a SentencePiece-kind vocabulary: does the tokenizer put ▁ before text that follows a special token?
+    (transformers 5 prefixes only the start of the text; older tokenizers every segment.) None for other kinds."""
+    try:
+        data = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    special = next((t["content"] for t in data.get("added_tokens") or [] if t.get("special") and not t.get("rstrip")), None)
+    if not _sentencepiece_kind(data) or special is None:
+        return None
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer(special + "a", add_special_tokens=False).input_ids)
+    return len(pieces) > 1 and pieces[1].startswith("\u2581")
 
 
 def _sentencepiece_kind(data: dict) -> bool:

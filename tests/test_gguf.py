@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,9 @@ from conftest import PHI3, cli, cpu_env, write_config
 ENGINE = importlib.util.find_spec("llama_cpp") is not None
 needs_engine = pytest.mark.skipif(not ENGINE, reason="llama-cpp-python is not installed (pip install 'praisonai-accel[gguf]')")
 ARCHITECTURES = ("llama", "qwen3")
-# Measured on these models (README, "Export"): f16 within 2e-3 of the float32 logits, q8_0 within 3e-2.
-F16_TOLERANCE, Q8_TOLERANCE = 5e-3, 6e-2
+# Measured on these models (README, "Export"), logits of standard deviation 0.8: f16 within 7e-3 of the float32
+# logits, q8_0 within 0.14 (llama.cpp also rounds the activations to 8 bits in its q8_0 matrix products).
+F16_TOLERANCE, Q8_TOLERANCE = 1.5e-2, 0.3
 PROMPTS = ["reverse the words: ada bob cy", "add 3 and 4", "what colour does eve like?"]
 
 
@@ -49,7 +53,8 @@ def make_phi3_model(directory: Path, architecture: str, seed: int = 0) -> Path:
     if architecture == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     else:
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16))
+        # head_dim 128 as in every Qwen3 checkpoint: transformers' GGUF loader ignores qwen3.attention.key_length
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=128))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return Path(directory)
@@ -136,30 +141,37 @@ def test_llama_cpp_reads_f16_and_q8_0_with_the_merged_models_logits_and_tokens(e
             assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids, (architecture, method, prompt)
             error = abs(logits - expected).max()
             assert error < tolerance, (architecture, method, prompt, error)
-            assert (logits.argmax(-1) == expected.argmax(-1)).all(), (architecture, method, prompt)
+            top = expected[range(len(ids)), logits.argmax(-1)]  # the merged model's logit for llama.cpp's first choice
+            assert (top >= expected.max(-1) - (0 if method == "f16" else tolerance)).all(), (architecture, method, prompt)
 
 
 @needs_engine
 def test_greedy_generation_gives_the_same_tokens_as_the_merged_model(exported):
+    """f16: the same tokens. q8_0: each token llama.cpp picks is the merged model's first choice, or within the q8_0
+    bound of it (a random-weight model has near-ties that 8-bit rounding may order either way)."""
+    import numpy as np
     import torch
-
-    architecture, files, model, tokenizer, _ = exported
     from llama_cpp import Llama
 
+    architecture, files, model, tokenizer, _ = exported
     for method in ("f16", "q8_0"):
         llm = Llama(model_path=str(files[method]), n_ctx=256, verbose=False, n_threads=2, seed=0)
         for prompt in PROMPTS:
             ids = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False).input_ids
-            with torch.no_grad():
-                reference = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                                           pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
-            llm.reset()
             produced = []
             for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
                 produced.append(token)
-                if len(produced) == len(reference):
+                if len(produced) == 8:
                     break
-            assert produced == reference, (architecture, method, prompt)
+            if method == "f16":
+                with torch.no_grad():
+                    reference = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                               pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+                assert produced == reference, (architecture, prompt)
+            else:
+                logits = torch_logits(model, ids + produced)[len(ids) - 1: -1]
+                chosen = logits[np.arange(len(produced)), produced]
+                assert (chosen >= logits.max(-1) - Q8_TOLERANCE).all(), (architecture, prompt)
 
 
 @needs_engine
@@ -175,12 +187,15 @@ def test_chat_template_stop_tokens_and_tokenizer_are_in_the_metadata(exported):
     assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
     assert field("tokenizer.ggml.eot_token_id") == end  # where the template ends a reply, besides eos
     assert field("tokenizer.ggml.model") == "llama" and len(field("tokenizer.ggml.tokens")) == len(tokenizer)
+    assert field("tokenizer.ggml.add_bos_token") is False and field("tokenizer.ggml.add_space_prefix") is False
     for method in ("f16", "q8_0"):
         llm = llama_cpp.Llama(model_path=str(files[method]), n_ctx=64, verbose=False, vocab_only=True)
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         assert llama_cpp.llama_vocab_is_eog(vocab, end) and llama_cpp.llama_vocab_is_eog(vocab, tokenizer.eos_token_id)
-        # bos as the tokenizer adds it (Phi-3: not at all), on plain text too
-        text = "Hello world!  naïve café 3.14 🦙"
+        # bos as the tokenizer adds it (Phi-3: not at all); a system turn and two user turns split as in training
+        talk = [{"role": "system", "content": "Be brief.  Naïve café, 3.14 🦙"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "ada\nbob\tcy"}]
+        text = tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True)
         assert llm.tokenize(text.encode(), add_bos=True, special=True) == tokenizer(text).input_ids
 
 
@@ -191,7 +206,10 @@ def test_transformers_gguf_loader_reads_the_f16_file_back(exported):
     architecture, files, model, tokenizer, _ = exported
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("gguf (gguf-py) is not installed")
-    again = AutoModelForCausalLM.from_pretrained(str(files["f16"].parent), gguf_file=files["f16"].name).float().eval()
+    import torch
+
+    again = AutoModelForCausalLM.from_pretrained(str(files["f16"].parent), gguf_file=files["f16"].name,
+                                                 dtype=torch.float32).eval()
     ids = tokenizer(chat_prompt(tokenizer, PROMPTS[0]), add_special_tokens=False).input_ids
     error = np.abs(torch_logits(again, ids) - torch_logits(model, ids)).max()
     assert error < F16_TOLERANCE, (architecture, error)
@@ -210,6 +228,43 @@ def test_k_quants_come_from_llama_cpps_quantizer(tmp_path, converter):
         assert reader.fields["general.file_type"].contents() == ftype
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".praisonai-accel.json", "base-Q4_K_M.gguf",
                                                                      "base-Q5_0.gguf"]  # no 16-bit leftovers
+
+
+QLORA_CHECK = """
+import json, sys, torch, bitsandbytes.functional as F
+from gguf import GGUFReader
+from safetensors.torch import load_file
+base, adapter, gguf = sys.argv[1:]
+W = load_file(base + "/model.safetensors")["model.layers.0.self_attn.v_proj.weight"].float()
+lora = load_file(adapter + "/adapter_model.safetensors")
+key = "base_model.model.model.layers.0.self_attn.v_proj.lora_{}.weight"
+scale = json.load(open(adapter + "/adapter_config.json"))
+delta = lora[key.format("B")].float() @ lora[key.format("A")].float() * scale["lora_alpha"] / scale["r"]
+packed, state = F.quantize_4bit(W, quant_type="nf4", compress_statistics=True)
+dequantized = F.dequantize_4bit(packed, state).float()
+tensor = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.0.attn_v.weight")
+written = torch.tensor(tensor.data.astype("float32")).reshape(W.shape)
+print(json.dumps({"dequantized": float((written - dequantized - delta).abs().max()),
+                  "original": float((written - W - delta).abs().max())}))
+"""
+
+
+def test_a_qlora_adapter_is_merged_onto_the_dequantized_4bit_base_it_was_trained_on(tmp_path, converter):
+    from conftest import BNB_DIR
+
+    env = cpu_env(LLAMA_CPP_CONVERTER=str(converter), PYTHONPATH=os.pathsep.join([str(BNB_DIR), os.environ.get("PYTHONPATH", "")]))
+    if subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True).returncode != 0:
+        pytest.skip("bitsandbytes is not installed (pip install --target .bnb bitsandbytes)")
+    base = make_phi3_model(tmp_path / "base", "llama")
+    adapter = make_adapter(base, tmp_path / "lora_model")
+    result = cli("export", "gguf", str(adapter), "-q", "f16", "--dequantize-base", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    gguf = tmp_path / "lora_model-gguf" / "lora_model-F16.gguf"
+    check = subprocess.run([sys.executable, "-c", QLORA_CHECK, str(base), str(adapter), str(gguf)], env=env,
+                           capture_output=True, text=True)
+    errors = json.loads(check.stdout)
+    # f16 rounding only, against the NF4 weights QLoRA trained with; far from the original weights
+    assert errors["dequantized"] < 2e-3 and errors["original"] > 10 * errors["dequantized"], errors
 
 
 # ---------------------------------------------------------------- bad input: one line, before anything heavy
@@ -251,8 +306,9 @@ def test_a_failed_conversion_leaves_no_half_written_file(tmp_path, tiny_model, c
     result = cli("export", "gguf", str(tiny_model), "-q", "f16", "--out", str(out),
                  env=cpu_env(LLAMA_CPP_CONVERTER=str(converter)))
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: llama.cpp's converter (f16) failed: NotImplementedError: BPE pre-tokenizer "
-                                     "was not recognized - update get_vocab_base_pre()")
+    assert [line for line in result.stderr.splitlines() if not line.startswith("gguf: ")] == [
+        "error: llama.cpp's converter (f16) does not recognise this tokenizer's BPE pre-tokenizer (it knows them by the "
+        "hash of a fixed text's tokens: a tokenizer trained on the spot, or newer than this llama.cpp, has none it knows)"]
     assert list(out.iterdir()) == []  # no .gguf, no temporary folder
 
 

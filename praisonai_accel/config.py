@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -38,6 +38,7 @@ RESUMABLE_KEYS = {
     "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
     "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
     "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "force_resume",
+    "quantization_method", "save_gguf", "huggingface_save_gguf", "ollama_save",
 }
 REENTRANT_WITH_UNUSED = (
     "ddp_find_unused_parameters: true cannot work with reentrant gradient checkpointing (unsloth's, or "
@@ -199,6 +200,27 @@ class TrainConfig(_Strict):
     ollama_model: str | None = None
     ollama_base: str | None = None  # an Ollama model to use as FROM; default: upload the base model's files
     ollama_push: bool = False
+    # GGUF after training, under praisonai-train's names (rank 0, after the final save; publish/gguf.py does it)
+    GGUF_METHODS: ClassVar[tuple] = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q3_k_m", "q6_k",
+                                     "q2_k", "f16", "bf16")
+    quantization_method: Union[str, list[str]] = "q4_k_m"  # one method or several; a .gguf file for each
+    save_gguf: bool = False  # write output_dir/gguf/<final_model_dir>-<METHOD>.gguf
+    huggingface_save_gguf: bool = False  # also upload the .gguf files to hub_model_id (hf_model_name)
+    ollama_save: bool = False  # create ollama_model FROM the first method's .gguf instead of from safetensors
+
+    @model_validator(mode="after")
+    def _check_gguf(self) -> "TrainConfig":
+        methods = [self.quantization_method] if isinstance(self.quantization_method, str) else self.quantization_method
+        for method in methods or [None]:
+            if str(method).lower() not in self.GGUF_METHODS:
+                raise ValueError(f"quantization_method: '{method}' is not a GGUF quantization; use one of "
+                                 f"{', '.join(self.GGUF_METHODS)}")
+        self.quantization_method = list(dict.fromkeys(str(m).lower() for m in methods))
+        if self.huggingface_save_gguf and not self.hub_model_id:
+            raise ValueError("hub_model_id: required when huggingface_save_gguf is true (e.g. your-name/my-model)")
+        if self.ollama_save and not self.ollama_model:
+            raise ValueError("ollama_save: needs ollama_model (name:tag)")
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "TrainConfig":

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .chat_masking import IGNORE_INDEX
+from .data.chat_masking import IGNORE_INDEX
 from .config import ConfigError
-from .loss import CausalLMLoss, chunked_loss_sum, transformers_model
+from .methods.lm_loss import CausalLMLoss, chunked_loss_sum, transformers_model
 
 # The attention implementations this wraps, and the names the wrappers are registered under.
 WRAPPED = {"sdpa": "ulysses_sdpa", "eager": "ulysses_eager"}

@@ -193,6 +193,7 @@ class _OllamaHandler(_Handler):
             if digest != "sha256:" + hashlib.sha256(body).hexdigest():
                 return self._json(400, {"error": "digest mismatch"})
             ollama.blobs[digest] = len(body)
+            ollama.heads[digest] = body[:4]
             if len(body) < 1 << 20:
                 ollama.contents[digest] = body
             self.send_response(201)
@@ -206,7 +207,10 @@ class _OllamaHandler(_Handler):
             if missing:
                 return self._json(400, {"error": f"unknown blob {missing[0]}"})
             files = request.get("files") or {}
-            if files and ("config.json" not in files or not {"tokenizer.json", "tokenizer.model"} & set(files)):
+            if any(name.endswith(".gguf") for name in files):  # Ollama's GGUF import: one file, GGUF magic
+                if len(files) != 1 or ollama.heads.get(next(iter(files.values()))) != b"GGUF":
+                    return self._json(400, {"error": "invalid file magic"})
+            elif files and ("config.json" not in files or not {"tokenizer.json", "tokenizer.model"} & set(files)):
                 return self._json(400, {"error": "unknown model architecture: config.json and tokenizer files are required"})
             if request.get("adapters") and files:  # like Ollama's converter: LoRA adapters for llama and gemma2 only
                 config = json.loads(ollama.contents[files["config.json"]])
@@ -230,6 +234,7 @@ class FakeOllama(_Server):
     def __init__(self):
         self.blobs: dict[str, int] = {}
         self.contents: dict[str, bytes] = {}  # small blobs (config.json...), as the server would read them
+        self.heads: dict[str, bytes] = {}  # every blob's first 4 bytes (a GGUF file's magic)
         super().__init__()
 
     def creates(self) -> list[dict]:

@@ -13,6 +13,7 @@ from ..config import load_config
 from ..errors import first_line
 from ..launcher.prelaunch import check_accelerate_config, check_hub_access, check_local_inputs, check_trackers
 from ._common import fail
+from .export import check_gguf_before_training
 
 
 def describe_start(config, num_processes: int) -> str:
@@ -60,6 +61,7 @@ def train_command(
     cfg = load_config(config)
     check_local_inputs(cfg)
     check_trackers(cfg)
+    check_gguf_before_training(cfg)
     if accelerate_config is not None:
         check_accelerate_config(accelerate_config)
     if accelerate_config is not None and (nnodes > 1 or fsdp):

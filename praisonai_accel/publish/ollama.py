@@ -3,7 +3,8 @@
 The TEMPLATE comes from `ollama_template` and is written only when it reproduces the chat template;
 otherwise it is left out and Ollama detects the template from the model's own chat_template. Ollama
 converts safetensors LoRA adapters only for Llama-family and Gemma 2 bases, so for any other
-architecture the adapter is merged first and the model is created from the merged weights.
+architecture the adapter is merged first and the model is created from the merged weights. From a GGUF file
+(publish/gguf.py), the Modelfile is FROM that file, with the same TEMPLATE and stop parameters.
 """
 
 from __future__ import annotations
@@ -149,6 +150,28 @@ def create_model(recipe: OllamaRecipe, name: str, host: str | None = None, push:
     if push:
         client.push(name)
         log.info("pushed Ollama model %s", name)
+
+
+def recipe_for_gguf(gguf_file: Path, tokenizer_dir: Path, trust_remote_code: bool = False) -> OllamaRecipe:
+    """FROM a .gguf file (llama.cpp converted it, so any architecture it knows reaches Ollama), with the TEMPLATE and
+    stop parameters derived from the trained tokenizer as for safetensors."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+    template = go_template(tokenizer)
+    stops = stop_tokens(tokenizer, template if template is not None else str(tokenizer.chat_template or ""))
+    gguf_file = Path(gguf_file).resolve()
+    return OllamaRecipe(template, stops, str(gguf_file), files={gguf_file.name: gguf_file})
+
+
+def publish_gguf(gguf_file: Path, tokenizer_dir: Path, name: str, push: bool = False, host: str | None = None,
+                 client=None, trust_remote_code: bool = False) -> Path:
+    """Write a Modelfile next to the .gguf file and create the model from it; returns the Modelfile's path."""
+    recipe = recipe_for_gguf(gguf_file, tokenizer_dir, trust_remote_code)
+    modelfile = Path(gguf_file).with_name("Modelfile")
+    modelfile.write_text(recipe.modelfile())
+    create_model(recipe, name, host=host, push=push, client=client)
+    return modelfile
 
 
 def publish(adapter_or_model: Path, name: str, ollama_base: str | None = None, push: bool = False,

@@ -161,9 +161,12 @@ def _hub_publisher(config, env: DistEnv):
 
 
 def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
-    """Wait for Hub uploads, then create the Ollama model; returns one line per failure."""
+    """Wait for Hub uploads, write the GGUF files asked for, then create the Ollama model; one line per failure."""
     problems = publisher.wait() if publisher is not None else []
-    if config.ollama_model:
+    from ..publish.gguf import after_training  # save_gguf, huggingface_save_gguf, ollama_save (Ollama FROM the GGUF)
+
+    problems += after_training(config, final_dir)
+    if config.ollama_model and not config.ollama_save:
         from ..publish.ollama import publish
 
         try:

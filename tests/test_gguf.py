@@ -1,0 +1,379 @@
+"""GGUF export, read back by real GGUF engines: llama.cpp (llama-cpp-python) and transformers' GGUF loader.
+
+Models are tiny, with the real Phi-3 tokenizer (a tokenizer trained on the spot would be refused by the converter,
+which recognises BPE pre-tokenizers by hash), in two architectures, each with a LoRA adapter of non-zero weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PHI3, cli, cpu_env, write_config
+
+ENGINE = importlib.util.find_spec("llama_cpp") is not None
+needs_engine = pytest.mark.skipif(not ENGINE, reason="llama-cpp-python is not installed (pip install 'praisonai-accel[gguf]')")
+ARCHITECTURES = ("llama", "qwen3")
+# Measured on these models (README, "Export"), logits of standard deviation 0.8: f16 within 7e-3 of the float32
+# logits, q8_0 within 0.14 (llama.cpp also rounds the activations to 8 bits in its q8_0 matrix products).
+F16_TOLERANCE, Q8_TOLERANCE = 1.5e-2, 0.3
+PROMPTS = ["reverse the words: ada bob cy", "add 3 and 4", "what colour does eve like?"]
+
+
+@pytest.fixture(scope="module")
+def converter():
+    from praisonai_accel.publish.gguf_llamacpp import GGUFError, find_converter
+
+    try:
+        return find_converter(fetch=False)
+    except GGUFError as exc:
+        pytest.skip(f"llama.cpp's converter is not here ({exc}); set LLAMA_CPP_CONVERTER (.ci/run does)")
+
+
+def make_phi3_model(directory: Path, architecture: str, seed: int = 0) -> Path:
+    """A 2-layer random model of a real architecture around the real Phi-3 tokenizer."""
+    import torch
+    import transformers as tf
+
+    if not PHI3.is_dir():
+        pytest.skip("../shared/fixtures/phi-3-mini is absent")
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(PHI3))
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, initializer_range=0.1)
+    torch.manual_seed(seed)
+    if architecture == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    else:
+        # head_dim 128 as in every Qwen3 checkpoint: transformers' GGUF loader ignores qwen3.attention.key_length
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=128))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
+def make_adapter(base: Path, directory: Path) -> Path:
+    """A LoRA adapter whose A and B are both random, so merging changes every projection."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    lora = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    peft_model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(directory)
+    return Path(directory)
+
+
+def merged_reference(adapter: Path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
+    return model, AutoTokenizer.from_pretrained(str(adapter))
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def exported(request, tmp_path_factory, converter):
+    """f16 and q8_0 of a merged adapter, written by `praisonai-accel export gguf`."""
+    if not ENGINE:
+        pytest.skip("llama-cpp-python is not installed (pip install 'praisonai-accel[gguf]')")
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    base = make_phi3_model(root / "base", request.param)
+    adapter = make_adapter(base, root / "lora_model")
+    result = cli("export", "gguf", str(adapter), "-q", "f16", "-q", "q8_0", "--out", str(root / "gguf"),
+                 env=cpu_env(LLAMA_CPP_CONVERTER=str(converter)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = {m: root / "gguf" / f"lora_model-{m.upper()}.gguf" for m in ("f16", "q8_0")}
+    assert all(f.is_file() for f in files.values()), result.stdout
+    model, tokenizer = merged_reference(adapter)
+    return request.param, files, model, tokenizer, result
+
+
+def llama_cpp_logits(path: Path, ids: list[int]):
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm.eval(ids)
+    return llm, np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+
+def torch_logits(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@needs_engine
+def test_llama_cpp_reads_f16_and_q8_0_with_the_merged_models_logits_and_tokens(exported):
+    architecture, files, model, tokenizer, _ = exported
+    for prompt in PROMPTS:
+        text = chat_prompt(tokenizer, prompt)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        expected = torch_logits(model, ids)
+        for method, tolerance in (("f16", F16_TOLERANCE), ("q8_0", Q8_TOLERANCE)):
+            llm, logits = llama_cpp_logits(files[method], ids)
+            # the GGUF's own tokenizer splits the chat-formatted prompt exactly as the Phi-3 tokenizer does
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids, (architecture, method, prompt)
+            error = abs(logits - expected).max()
+            assert error < tolerance, (architecture, method, prompt, error)
+            top = expected[range(len(ids)), logits.argmax(-1)]  # the merged model's logit for llama.cpp's first choice
+            assert (top >= expected.max(-1) - (0 if method == "f16" else tolerance)).all(), (architecture, method, prompt)
+
+
+@needs_engine
+def test_greedy_generation_gives_the_same_tokens_as_the_merged_model(exported):
+    """f16: the same tokens. q8_0: each token llama.cpp picks is the merged model's first choice, or within the q8_0
+    bound of it (a random-weight model has near-ties that 8-bit rounding may order either way)."""
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+
+    architecture, files, model, tokenizer, _ = exported
+    for method in ("f16", "q8_0"):
+        llm = Llama(model_path=str(files[method]), n_ctx=256, verbose=False, n_threads=2, seed=0)
+        for prompt in PROMPTS:
+            ids = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False).input_ids
+            produced = []
+            for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+                produced.append(token)
+                if len(produced) == 8:
+                    break
+            if method == "f16":
+                with torch.no_grad():
+                    reference = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                               pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+                assert produced == reference, (architecture, prompt)
+            else:
+                logits = torch_logits(model, ids + produced)[len(ids) - 1: -1]
+                chosen = logits[np.arange(len(produced)), produced]
+                assert (chosen >= logits.max(-1) - Q8_TOLERANCE).all(), (architecture, prompt)
+
+
+@needs_engine
+def test_chat_template_stop_tokens_and_tokenizer_are_in_the_metadata(exported):
+    architecture, files, _, tokenizer, _ = exported
+    import llama_cpp
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(files["f16"]))
+    field = lambda key: reader.fields[key].contents()
+    assert field("tokenizer.chat_template") == tokenizer.chat_template
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert field("tokenizer.ggml.eot_token_id") == end  # where the template ends a reply, besides eos
+    assert field("tokenizer.ggml.model") == "llama" and len(field("tokenizer.ggml.tokens")) == len(tokenizer)
+    assert field("tokenizer.ggml.add_bos_token") is False and field("tokenizer.ggml.add_space_prefix") is False
+    for method in ("f16", "q8_0"):
+        llm = llama_cpp.Llama(model_path=str(files[method]), n_ctx=64, verbose=False, vocab_only=True)
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        assert llama_cpp.llama_vocab_is_eog(vocab, end) and llama_cpp.llama_vocab_is_eog(vocab, tokenizer.eos_token_id)
+        # bos as the tokenizer adds it (Phi-3: not at all); a system turn and two user turns split as in training
+        talk = [{"role": "system", "content": "Be brief.  Naïve café, 3.14 🦙"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "ada\nbob\tcy"}]
+        text = tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True)
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == tokenizer(text).input_ids
+
+
+def test_transformers_gguf_loader_reads_the_f16_file_back(exported):
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    architecture, files, model, tokenizer, _ = exported
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("gguf (gguf-py) is not installed")
+    import torch
+
+    again = AutoModelForCausalLM.from_pretrained(str(files["f16"].parent), gguf_file=files["f16"].name,
+                                                 dtype=torch.float32).eval()
+    ids = tokenizer(chat_prompt(tokenizer, PROMPTS[0]), add_special_tokens=False).input_ids
+    error = np.abs(torch_logits(again, ids) - torch_logits(model, ids)).max()
+    assert error < F16_TOLERANCE, (architecture, error)
+
+
+@needs_engine
+def test_k_quants_come_from_llama_cpps_quantizer(tmp_path, converter):
+    from gguf import GGUFReader
+
+    base = make_phi3_model(tmp_path / "base", "llama")
+    result = cli("export", "gguf", str(base), "-q", "q4_k_m", "-q", "q5_0", "--out", str(tmp_path / "out"),
+                 env=cpu_env(LLAMA_CPP_CONVERTER=str(converter)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for method, ftype in (("q4_k_m", 15), ("q5_0", 8)):
+        reader = GGUFReader(str(tmp_path / "out" / f"base-{method.upper()}.gguf"))
+        assert reader.fields["general.file_type"].contents() == ftype
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".praisonai-accel.json", "base-Q4_K_M.gguf",
+                                                                     "base-Q5_0.gguf"]  # no 16-bit leftovers
+
+
+QLORA_CHECK = """
+import json, sys, torch, bitsandbytes.functional as F
+from gguf import GGUFReader
+from safetensors.torch import load_file
+base, adapter, gguf = sys.argv[1:]
+W = load_file(base + "/model.safetensors")["model.layers.0.self_attn.v_proj.weight"].float()
+lora = load_file(adapter + "/adapter_model.safetensors")
+key = "base_model.model.model.layers.0.self_attn.v_proj.lora_{}.weight"
+scale = json.load(open(adapter + "/adapter_config.json"))
+delta = lora[key.format("B")].float() @ lora[key.format("A")].float() * scale["lora_alpha"] / scale["r"]
+packed, state = F.quantize_4bit(W, quant_type="nf4", compress_statistics=True)
+dequantized = F.dequantize_4bit(packed, state).float()
+tensor = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.0.attn_v.weight")
+written = torch.tensor(tensor.data.astype("float32")).reshape(W.shape)
+print(json.dumps({"dequantized": float((written - dequantized - delta).abs().max()),
+                  "original": float((written - W - delta).abs().max())}))
+"""
+
+
+def test_a_qlora_adapter_is_merged_onto_the_dequantized_4bit_base_it_was_trained_on(tmp_path, converter):
+    from conftest import BNB_DIR
+
+    env = cpu_env(LLAMA_CPP_CONVERTER=str(converter), PYTHONPATH=os.pathsep.join([str(BNB_DIR), os.environ.get("PYTHONPATH", "")]))
+    if subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True).returncode != 0:
+        pytest.skip("bitsandbytes is not installed (pip install --target .bnb bitsandbytes)")
+    base = make_phi3_model(tmp_path / "base", "llama")
+    adapter = make_adapter(base, tmp_path / "lora_model")
+    result = cli("export", "gguf", str(adapter), "-q", "f16", "--dequantize-base", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    gguf = tmp_path / "lora_model-gguf" / "lora_model-F16.gguf"
+    check = subprocess.run([sys.executable, "-c", QLORA_CHECK, str(base), str(adapter), str(gguf)], env=env,
+                           capture_output=True, text=True)
+    errors = json.loads(check.stdout)
+    # f16 rounding only, against the NF4 weights QLoRA trained with; far from the original weights
+    assert errors["dequantized"] < 2e-3 and errors["original"] > 10 * errors["dequantized"], errors
+
+
+# ---------------------------------------------------------------- bad input: one line, before anything heavy
+
+
+def test_unknown_quantization_method_is_one_line(tmp_path, tiny_model):
+    result = cli("export", "gguf", str(tiny_model), "-q", "q4km", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: quantization_method: 'q4km' is not a GGUF quantization; use one of q4_k_m, "
+                                     "q5_k_m, q8_0, q4_0, q4_1, q5_0, q5_1, q3_k_m, q6_k, q2_k, f16, bf16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_converter_is_one_line(tmp_path, tiny_model):
+    result = cli("export", "gguf", str(tiny_model), "-q", "f16", env=cpu_env(LLAMA_CPP_CONVERTER=str(tmp_path)))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: LLAMA_CPP_CONVERTER={tmp_path}: holds no convert_hf_to_gguf.py with gguf-py/ "
+                                     "beside it (point it at a llama.cpp checkout or a llama-cpp-python source .tar.gz)")
+
+
+def test_an_architecture_the_converter_does_not_know_is_one_line(tmp_path, tiny_model, converter):
+    import shutil
+
+    model = tmp_path / "odd"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["MadeUpForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    result = cli("export", "gguf", str(model), "-q", "f16", env=cpu_env(LLAMA_CPP_CONVERTER=str(converter)))
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: MadeUpForCausalLM: llama.cpp's converter (")
+    assert result.stderr.strip().endswith("does not know this architecture; it cannot be exported to GGUF")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "odd-gguf").exists()
+
+
+def test_a_failed_conversion_leaves_no_half_written_file(tmp_path, tiny_model, converter):
+    """The demo's tokenizer was trained on the spot: the converter refuses its unknown BPE pre-tokenizer mid-way."""
+    out = tmp_path / "out"
+    result = cli("export", "gguf", str(tiny_model), "-q", "f16", "--out", str(out),
+                 env=cpu_env(LLAMA_CPP_CONVERTER=str(converter)))
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if not line.startswith("gguf: ")] == [
+        "error: llama.cpp's converter (f16) does not recognise this tokenizer's BPE pre-tokenizer (it knows them by the "
+        "hash of a fixed text's tokens: a tokenizer trained on the spot, or newer than this llama.cpp, has none it knows)"]
+    assert list(out.iterdir()) == []  # no .gguf, no temporary folder
+
+
+def test_an_output_folder_of_the_users_is_never_written_into(tmp_path, tiny_model, converter):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = cli("export", "gguf", str(tiny_model), "-q", "f16", "--out", str(out),
+                 env=cpu_env(LLAMA_CPP_CONVERTER=str(converter)))
+    assert result.returncode == 2 and "already holds files that praisonai-accel did not write" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_config_keys_are_praisonai_trains(tmp_path):
+    from praisonai_accel.config import ConfigError, load_config
+
+    def config(**keys):
+        path = tmp_path / "c.yaml"
+        path.write_text(json.dumps({"model_name": "m", "dataset": [{"name": "d"}], **keys}))
+        return load_config(path)
+
+    assert config().quantization_method == ["q4_k_m"]
+    assert config(quantization_method="Q8_0").quantization_method == ["q8_0"]
+    assert config(quantization_method=["q4_k_m", "q8_0", "q4_k_m"]).quantization_method == ["q4_k_m", "q8_0"]
+    with pytest.raises(ConfigError, match="quantization_method: 'q4km' is not a GGUF quantization"):
+        config(quantization_method="q4km", save_gguf=True)
+    with pytest.raises(ConfigError, match="hub_model_id: required when huggingface_save_gguf is true"):
+        config(huggingface_save_gguf=True)
+    with pytest.raises(ConfigError, match="ollama_save: needs ollama_model"):
+        config(ollama_save=True)
+    assert config(hf_model_name="me/m", huggingface_save_gguf=True).hub_model_id == "me/m"
+    # changing what is exported after training does not make a resumed run another run
+    assert config(save_gguf=True, quantization_method="q8_0").run_fingerprint() == config().run_fingerprint()
+
+
+def test_train_refuses_save_gguf_without_a_converter_before_launch(tmp_path, tiny_model, alpaca_file):
+    path = write_config(tmp_path, tiny_model, alpaca_file, save_gguf=True, quantization_method="q8_0")
+    result = cli("train", str(path), "--cpu", env=cpu_env(LLAMA_CPP_CONVERTER=str(tmp_path / "nowhere")))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: LLAMA_CPP_CONVERTER={tmp_path / 'nowhere'}: holds no convert_hf_to_gguf.py with gguf-py/ beside it "
+        "(point it at a llama.cpp checkout or a llama-cpp-python source .tar.gz)"]
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- at the end of training, and to Ollama
+
+
+@needs_engine
+def test_training_ends_with_a_gguf_and_an_ollama_model_from_it(tmp_path, alpaca_file, converter):
+    from fake_servers import FakeOllama
+
+    base = make_phi3_model(tmp_path / "base", "qwen3")
+    path = write_config(tmp_path, base, alpaca_file, max_steps=2, save_gguf=True, quantization_method=["q8_0"],
+                        ollama_save=True, ollama_model="tiny-qwen3:q8")
+    with FakeOllama() as ollama:
+        result = cli("train", str(path), "--cpu", env=cpu_env(LLAMA_CPP_CONVERTER=str(converter), OLLAMA_HOST=ollama.url))
+        assert result.returncode == 0, result.stderr[-3000:]
+        gguf = tmp_path / "out" / "gguf" / "lora_model-Q8_0.gguf"
+        assert gguf.is_file()
+        modelfile = (gguf.parent / "Modelfile").read_text()
+        assert modelfile.startswith(f"FROM {gguf}\n")
+        assert 'PARAMETER stop "<|end|>"' in modelfile and "TEMPLATE" in modelfile
+        (create,) = ollama.creates()
+        assert create["model"] == "tiny-qwen3:q8" and list(create["files"]) == ["lora_model-Q8_0.gguf"]
+        assert create["files"]["lora_model-Q8_0.gguf"] == "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+        assert "<|end|>" in create["parameters"]["stop"] and "<|assistant|>" in create["template"]
+    assert f"wrote {gguf}" in result.stderr and "created Ollama model tiny-qwen3:q8 from lora_model-Q8_0.gguf" in result.stderr

@@ -49,7 +49,7 @@ def worker(rank: int, world: int, options: dict, length: int, tiled: bool, store
     import torch
     import torch.distributed as dist
 
-    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.methods.lm_loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss
     from praisonai_accel.tiled_mlp import apply_tiled_mlp
 

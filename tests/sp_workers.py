@@ -96,7 +96,7 @@ def padded_batch(seed: int) -> dict:
 def packed_batch(seed: int) -> dict:
     """Two packed rows (PadCollator's layout): examples of 5, 7 and 2 tokens; 9 and 3 then padding."""
     from praisonai_accel.data import PadCollator
-    from praisonai_accel.packing import PackedDataset
+    from praisonai_accel.data.packing import PackedDataset
 
     g = torch.Generator().manual_seed(seed)
     lengths = [5, 7, 2, 9, 3]
@@ -139,7 +139,7 @@ def equality(cases: list[list[str]]) -> dict:
     """Each case (architecture, attention, batch, chunked | full | chunked+checkpointing+tiled): the summed loss and
     gradients of 1 process on whole rows against the group's sums; returns the largest differences of the mean loss
     and of its gradients."""
-    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.methods.lm_loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
 
     sp, _layout = SequenceParallel.setup(2)
@@ -190,7 +190,7 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from praisonai_accel.data import batch_targets
-    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.methods.lm_loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
     from praisonai_accel.tiled_mlp import apply_tiled_mlp
 
@@ -266,7 +266,7 @@ def fsdp2(kind: str = "qwen3", attention: str = "sdpa") -> dict:
     and the recipe's world / targets scale."""
     from torch.distributed.fsdp import fully_shard
 
-    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.methods.lm_loss import CausalLMLoss
     from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
     from praisonai_accel.tiled_mlp import apply_tiled_mlp
 

@@ -165,7 +165,7 @@ def test_loader_gives_every_rank_of_a_group_the_same_rows():
 # ---------------------------------------------------------------- tiled MLP
 
 def _mean_loss_and_grads(model, batch):
-    from praisonai_accel.loss import CausalLMLoss
+    from praisonai_accel.methods.lm_loss import CausalLMLoss
 
     summed, targets = sp_workers.one_process(CausalLMLoss(model), batch)
     (summed / targets).backward()

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .chat_masking import IGNORE_INDEX
+from .data.chat_masking import IGNORE_INDEX
 from .config import ConfigError
-from .loss import CausalLMLoss, chunked_loss_sum, transformers_model
+from .methods.lm_loss import CausalLMLoss, chunked_loss_sum, transformers_model
 
 # The attention implementations this wraps, and the names the wrappers are registered under.
 WRAPPED = {"sdpa": "ulysses_sdpa", "eager": "ulysses_eager"}
@@ -265,12 +265,16 @@ class SequenceParallel:
         self.batch: _Batch | None = None
         self.model_config = None
         self.original: str | None = None
+        self.pad_token_id = 0  # what fills the padding added for the split (it is never attended to nor a target)
+        self.layout: Layout | None = None
 
     @classmethod
     def setup(cls, size: int) -> tuple["SequenceParallel", Layout]:
         """The groups of `size` consecutive ranks (torch.distributed initialised), and this rank's state."""
         group, layout = new_group(size)
-        return cls(size, group, layout.sp_rank), layout
+        state = cls(size, group, layout.sp_rank)
+        state.layout = layout
+        return state, layout
 
     def apply(self, model) -> None:
         """Swaps the model's sdpa or eager attention for its Ulysses wrapper (a PeftModel: its base model's)."""
@@ -298,7 +302,7 @@ class SequenceParallel:
         """Puts the model's own attention back (whole rows in one process again: generation, a later evaluation)."""
         transformers_model(model).set_attn_implementation(self.original)
 
-    def shard_batch(self, batch: dict, pad_token_id: int = 0) -> dict:
+    def shard_batch(self, batch: dict, pad_token_id: int | None = None) -> dict:
         """This rank's slice of a micro-batch of whole rows, and the rows' facts for attention until the next call.
 
         Rows are padded to a multiple of the group size (padding: label -100, attention mask 0, never a target);
@@ -306,6 +310,7 @@ class SequenceParallel:
         does not shift again); `position_ids` are the row's own positions over the slice (packed rows' restarts
         kept)."""
         input_ids, labels = batch["input_ids"], batch["labels"]
+        pad_token_id = self.pad_token_id if pad_token_id is None else pad_token_id
         rows, length = input_ids.shape
         width = -(-length // self.size) * self.size
         pad = width - length

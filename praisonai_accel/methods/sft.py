@@ -10,6 +10,7 @@ from .base import TrainingMethod, log
 class SFT(TrainingMethod):
     name = "sft"
     unit = "target tokens"
+    supports_sequence_parallel = True
 
     def data(self, tokenizer):
         from ..data import SFTData
@@ -37,7 +38,10 @@ class SFT(TrainingMethod):
         from .lm_loss import CausalLMLoss, load_liger
 
         config = self.config
-        module = CausalLMLoss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
+        loss = CausalLMLoss
+        if config.sequence_parallel_size > 1:  # a slice of each row, its labels shifted on the whole row
+            from ..sequence_parallel import ShardedCausalLMLoss as loss
+        module = loss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
         return settle_chunking(module, accelerator, tokenizer)
 
     def forward(self, module, batch: dict):

@@ -1,6 +1,7 @@
 """Sequence parallelism and tiled MLP in real runs of `praisonai-accel train`: 2 processes sharing every row give
-1 process's loss trajectory and adapter (packing on and off), a rank killed mid-run resumes exactly, tiled MLP
-leaves the loss as it is, and what cannot be split is refused before launch."""
+1 process's loss trajectory, eval losses and adapter (packing on and off; DDP, and FSDP2 with --fsdp), a rank
+killed mid-run resumes exactly, tiled MLP leaves the loss as it is, and what cannot be split is refused before
+launch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import cli, cpu_env, read_metrics, write_config
+from conftest import cli, cpu_env, read_metrics, read_summary, write_config
 from test_checkpoint import assert_same_run, wait_for_step
 from test_multinode import _environ
 from test_training import _workers_of, workers_left
@@ -60,6 +61,17 @@ def test_two_ranks_sharing_every_row_train_like_one_process(runs, packing):
     assert max(abs(a - b) for (_, a), (_, b) in zip(*evals)) <= 1e-5
     rank1 = (two / "logs" / "rank-1.log").read_text()
     assert "this rank holds slice 2 of 2" in rank1
+
+
+def test_fsdp_shards_the_model_over_the_ranks_that_share_every_row(tmp_path, tiny_model, alpaca_file, runs):
+    """--fsdp: both ranks hold half the parameters and half of every row; still 1 process's run."""
+    out, _ = train(tmp_path, tiny_model, alpaca_file, *TWO, "--fsdp", packing=True, sequence_parallel_size=2)
+    one = runs(True)[0]
+    assert_same_run(out, one, tol=1e-5)
+    summary = read_summary(out)
+    assert summary["distributed_type"] == "FSDP" and summary["weights_in_sync"]
+    assert [m["eval_loss"] for m in read_metrics(out) if "eval_loss" in m] == pytest.approx(
+        [m["eval_loss"] for m in read_metrics(one) if "eval_loss" in m], abs=1e-5)
 
 
 def test_a_killed_rank_resumes_exactly(tmp_path, tiny_model, alpaca_file, runs):

@@ -35,12 +35,11 @@ class SFT(TrainingMethod):
         return batch_targets(batch)
 
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
-        from .lm_loss import CausalLMLoss, load_liger
+        from .lm_loss import CausalLMLoss, ShardedCausalLMLoss, load_liger
 
         config = self.config
-        loss = CausalLMLoss
-        if config.sequence_parallel_size > 1:  # a slice of each row, its labels shifted on the whole row
-            from ..sequence_parallel import ShardedCausalLMLoss as loss
+        # sequence_parallel_size > 1: a slice of each row, its labels shifted on the whole row
+        loss = ShardedCausalLMLoss if config.sequence_parallel_size > 1 else CausalLMLoss
         module = loss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
         return settle_chunking(module, accelerator, tokenizer)
 

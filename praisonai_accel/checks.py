@@ -2,7 +2,8 @@
 have been started by `accelerate launch` or torchrun directly). Each rule is written once, here: it raises
 ConfigError with the one line the user sees, and both callers show that line.
 
-Imported by the commands and by the worker; imports only the config, the checkpoint and output-directory modules.
+Imported by the commands and by the worker; imports only the config, the checkpoint and output-directory modules,
+and (for sequence_parallel_size) the methods and sequence_parallel's pure checks.
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, i
                                       config.overwrite_output_dir, config.run_identity(), config.force_resume)
     if start is None:
         return None, 0, None
-    skip, warning = ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes,
+    # The ranks of a sequence-parallel group share their rows: the data-parallel size is what reads the data.
+    skip, warning = ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes // config.sequence_parallel_size,
                                      config.per_device_train_batch_size)
     return start, skip, warning
+
+
+def sequence_parallel_rule(config: TrainConfig, num_processes: int, model_config=None) -> None:
+    """sequence_parallel_size: N needs a method that trains slices of rows, a number of processes that forms whole
+    groups of N, and attention heads that split over N ranks. `model_config`: the model's (the worker's, once loaded),
+    or None where the CLI cannot read it without downloading; the worker checks it then."""
+    n = config.sequence_parallel_size
+    if n <= 1:
+        return
+    from .methods import method_for
+    from .sequence_parallel import check_sequence_parallel, check_world
+
+    if not method_for(config).supports_sequence_parallel:
+        raise ConfigError(f"sequence_parallel_size: method: {config.method} does not split its rows over ranks; "
+                          "use sequence_parallel_size: 1 (or method: sft)")
+    reason = check_world(num_processes, n) or (check_sequence_parallel(model_config, n) if model_config else None)
+    if reason:
+        raise ConfigError(reason)

@@ -16,11 +16,13 @@ slice's targets: the sum over the group is one process's sum over whole rows, an
 are one process's gradients (DDP's and FSDP2's averaging over the world then needs the same `world / targets` scale
 as without sequence parallelism; README "Long context").
 
-In a training loop: `sp, layout = SequenceParallel.setup(N)` once torch.distributed is up; the loss module is
-`ShardedCausalLMLoss` (after `verify_head`), then `sp.apply(model)`, both before DDP/FSDP wrapping; the training
-loader goes through `prepare_loader(accelerator, loader, layout)` (same rows for a group). Per micro-batch:
-`shard = sp.shard_batch(batch, pad_id)`, forward on the shard's four tensors, backward, `sp.end_batch()`; the
-step's target count is `shard_targets` summed over the world, and the loss is scaled by world / that count.
+In a training loop (the recipe's: worker/long_context.py, step.py): `sp, layout = SequenceParallel.setup(N)` once
+torch.distributed is up; the loss module is methods/lm_loss's `ShardedCausalLMLoss` (after `verify_head`), then
+`sp.apply(model)`, both before DDP/FSDP wrapping; the training loader goes through `prepare_loader(accelerator,
+loader, layout)` (same rows for a group). Per micro-batch: `shard = sp.shard_batch(batch, pad_id)`, forward on the
+shard's four tensors, backward, `sp.end_batch()`; the step's target count is `shard_targets` summed over the world
+(or, as the recipe counts, the whole rows' targets summed over the world and divided by N), and the loss is scaled
+by world / that count.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from .data.chat_masking import IGNORE_INDEX
 from .config import ConfigError
-from .methods.lm_loss import CausalLMLoss, chunked_loss_sum, transformers_model
+from .methods.lm_loss import transformers_model
 
 # The attention implementations this wraps, and the names the wrappers are registered under.
 WRAPPED = {"sdpa": "ulysses_sdpa", "eager": "ulysses_eager"}
@@ -265,12 +267,16 @@ class SequenceParallel:
         self.batch: _Batch | None = None
         self.model_config = None
         self.original: str | None = None
+        self.pad_token_id = 0  # what fills the padding added for the split (it is never attended to nor a target)
+        self.layout: Layout | None = None
 
     @classmethod
     def setup(cls, size: int) -> tuple["SequenceParallel", Layout]:
         """The groups of `size` consecutive ranks (torch.distributed initialised), and this rank's state."""
         group, layout = new_group(size)
-        return cls(size, group, layout.sp_rank), layout
+        state = cls(size, group, layout.sp_rank)
+        state.layout = layout
+        return state, layout
 
     def apply(self, model) -> None:
         """Swaps the model's sdpa or eager attention for its Ulysses wrapper (a PeftModel: its base model's)."""
@@ -298,14 +304,15 @@ class SequenceParallel:
         """Puts the model's own attention back (whole rows in one process again: generation, a later evaluation)."""
         transformers_model(model).set_attn_implementation(self.original)
 
-    def shard_batch(self, batch: dict, pad_token_id: int = 0) -> dict:
+    def shard_batch(self, batch: dict, pad_token_id: int | None = None) -> dict:
         """This rank's slice of a micro-batch of whole rows, and the rows' facts for attention until the next call.
 
         Rows are padded to a multiple of the group size (padding: label -100, attention mask 0, never a target);
-        labels are shifted on the whole row first, so the slice's `labels` are its targets (ShardedCausalLMLoss
-        does not shift again); `position_ids` are the row's own positions over the slice (packed rows' restarts
-        kept)."""
+        labels are shifted on the whole row first, so the slice's `labels` are its targets
+        (lm_loss.ShardedCausalLMLoss does not shift again); `position_ids` are the row's own positions over the
+        slice (packed rows' restarts kept)."""
         input_ids, labels = batch["input_ids"], batch["labels"]
+        pad_token_id = self.pad_token_id if pad_token_id is None else pad_token_id
         rows, length = input_ids.shape
         width = -(-length // self.size) * self.size
         pad = width - length
@@ -354,24 +361,6 @@ def shard_targets(shard: dict) -> torch.Tensor:
     """Targets in a slice made by shard_batch (its labels are already shifted): summed over the world, the step's
     target count of one process on whole rows. data.batch_targets would drop each slice's first target."""
     return (shard["labels"] != IGNORE_INDEX).sum()
-
-
-class ShardedCausalLMLoss(CausalLMLoss):
-    """CausalLMLoss for a slice made by shard_batch: `labels` are targets already shifted on the whole row, and the
-    attention mask comes from the whole row (shard_batch), not from the slice. Returns the slice's summed loss."""
-
-    def forward(self, input_ids, labels, attention_mask=None, position_ids=None) -> torch.Tensor:
-        if not self.chunked:
-            logits = self.causal_lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-        hidden = self._decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        where = labels != IGNORE_INDEX
-        hidden, targets = hidden[where], labels[where]
-        head = self._head()
-        if self.liger is not None:
-            return self.liger(head.weight, hidden, targets, head.bias)
-        return chunked_loss_sum(hidden, head.weight, head.bias, targets, self.softcap, self.scale)
 
 
 def prepare_loader(accelerator, loader, layout: Layout):

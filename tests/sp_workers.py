@@ -139,8 +139,8 @@ def equality(cases: list[list[str]]) -> dict:
     """Each case (architecture, attention, batch, chunked | full | chunked+checkpointing+tiled): the summed loss and
     gradients of 1 process on whole rows against the group's sums; returns the largest differences of the mean loss
     and of its gradients."""
-    from praisonai_accel.methods.lm_loss import CausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
+    from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
+    from praisonai_accel.sequence_parallel import SequenceParallel, shard_targets
 
     sp, _layout = SequenceParallel.setup(2)
     results = {}
@@ -190,8 +190,8 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from praisonai_accel.data import batch_targets
-    from praisonai_accel.methods.lm_loss import CausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
+    from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
+    from praisonai_accel.sequence_parallel import SequenceParallel, shard_targets
     from praisonai_accel.tiled_mlp import apply_tiled_mlp
 
     def lora_model():
@@ -266,8 +266,8 @@ def fsdp2(kind: str = "qwen3", attention: str = "sdpa") -> dict:
     and the recipe's world / targets scale."""
     from torch.distributed.fsdp import fully_shard
 
-    from praisonai_accel.methods.lm_loss import CausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel, ShardedCausalLMLoss, shard_targets
+    from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
+    from praisonai_accel.sequence_parallel import SequenceParallel, shard_targets
     from praisonai_accel.tiled_mlp import apply_tiled_mlp
 
     batch = packed_batch(seed=5)

@@ -8,10 +8,12 @@ from typing import Optional
 import typer
 import yaml
 
-from ..checks import device_map_rule, final_model_dir_rule, reentrant_rule, resume_rule
+from ..checks import device_map_rule, final_model_dir_rule, reentrant_rule, resume_rule, sequence_parallel_rule
 from ..config import load_config
 from ..errors import first_line
-from ..launcher.prelaunch import check_accelerate_config, check_hub_access, check_local_inputs, check_trackers
+from ..launcher.prelaunch import (
+    check_accelerate_config, check_hub_access, check_local_inputs, check_trackers, local_model_config,
+)
 from ._common import fail
 from .export import check_gguf_before_training
 
@@ -25,6 +27,8 @@ def check_before_launch(config, num_processes: int) -> str:
     """The rules the worker checks again at setup; returns where the run starts."""
     device_map_rule(config.device_map, num_processes)
     reentrant_rule(config, num_processes)
+    if config.sequence_parallel_size > 1:
+        sequence_parallel_rule(config, num_processes, local_model_config(config))
     final_model_dir_rule(config)
     return describe_start(config, num_processes)
 
@@ -93,7 +97,8 @@ def train_command(
     except (ValueError, OSError, yaml.YAMLError) as exc:
         fail(first_line(exc))
     per_device, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    effective = f"{per_device} x {accum} x {plan.num_processes} = {per_device * accum * plan.num_processes}"
+    groups = plan.num_processes // cfg.sequence_parallel_size  # a sequence-parallel group trains one row at a time
+    effective = f"{per_device} x {accum} x {groups} = {per_device * accum * groups}"
     if dry_run:
         typer.echo("# resolved config")
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())

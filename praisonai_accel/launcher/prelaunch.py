@@ -74,3 +74,14 @@ def check_accelerate_config(path: Path) -> None:
     except Exception:  # invalid YAML: accelerate would say so; say it in one line here
         raise ConfigError(f"--accelerate-config: {path} is not valid YAML") from None
     deepspeed_rule("DEEPSPEED" if "deepspeed_config" in data else data.get("distributed_type", ""), "--accelerate-config")
+
+
+def local_model_config(config):
+    """The model's config when it is on this machine (a directory, or in the Hub cache), read without downloading
+    or running remote code; None otherwise (the worker checks what needed it once the model loads)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(config.model_name, revision=config.revision, local_files_only=True)
+    except Exception:  # not here, or its code is remote: nothing to read before launch
+        return None

@@ -11,7 +11,8 @@ once. Same loss and gradients as cross-entropy over the model's logits.
 `CausalLMLoss` is the module Accelerate prepares: its forward runs the decoder and the loss, so
 DDP sees every parameter the loss uses. Before training, `verify_head` checks that the decoder +
 head reproduce the model's own logits (softcapping and logit scaling included); a model where they
-do not is trained through its full logits instead.
+do not is trained through its full logits instead. `ShardedCausalLMLoss` is the same for one rank's slice of
+every row under sequence parallelism (sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -274,6 +275,25 @@ class CausalLMLoss(nn.Module):
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         where = targets != IGNORE_INDEX
         hidden, targets = hidden[where], targets[where]
+        head = self._head()
+        if self.liger is not None:
+            return self.liger(head.weight, hidden, targets, head.bias)
+        return chunked_loss_sum(hidden, head.weight, head.bias, targets, self.softcap, self.scale)
+
+
+class ShardedCausalLMLoss(CausalLMLoss):
+    """CausalLMLoss for a slice made by sequence_parallel.shard_batch: `labels` are targets already shifted on the
+    whole row, and the attention mask comes from the whole row (shard_batch), not from the slice. Returns the slice's
+    summed loss."""
+
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None) -> torch.Tensor:
+        if not self.chunked:
+            logits = self.causal_lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        hidden = self._decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        where = labels != IGNORE_INDEX
+        hidden, targets = hidden[where], labels[where]
         head = self._head()
         if self.liger is not None:
             return self.liger(head.weight, hidden, targets, head.bias)

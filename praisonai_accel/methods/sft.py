@@ -10,6 +10,7 @@ from .base import TrainingMethod, log
 class SFT(TrainingMethod):
     name = "sft"
     unit = "target tokens"
+    supports_sequence_parallel = True
 
     def data(self, tokenizer):
         from ..data import SFTData
@@ -34,10 +35,12 @@ class SFT(TrainingMethod):
         return batch_targets(batch)
 
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
-        from .lm_loss import CausalLMLoss, load_liger
+        from .lm_loss import CausalLMLoss, ShardedCausalLMLoss, load_liger
 
         config = self.config
-        module = CausalLMLoss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
+        # sequence_parallel_size > 1: a slice of each row, its labels shifted on the whole row
+        loss = ShardedCausalLMLoss if config.sequence_parallel_size > 1 else CausalLMLoss
+        module = loss(causal_lm, chunked=config.chunked_loss, liger=load_liger(config.use_liger, use_cuda))
         return settle_chunking(module, accelerator, tokenizer)
 
     def forward(self, module, batch: dict):

@@ -5,18 +5,25 @@ from __future__ import annotations
 from ..config import TrainConfig
 
 
-def evaluate(accelerator, loss_module, method, eval_data, collate, batch_size: int) -> tuple[float, dict[str, float]]:
+def evaluate(accelerator, loss_module, method, eval_data, collate, batch_size: int,
+             sp=None) -> tuple[float, dict[str, float]]:
     """The method's loss and metrics over the whole eval set, means over its units (target tokens, pairs) as in
     training; each sample is scored by exactly one rank, no padding duplicates.
 
     Every rank runs the same number of forwards, whatever its share: under FSDP every forward is a collective, and
     under DDP a rank with no rows at all would meet another rank's all-reduce with a buffer broadcast. A rank short of
-    rows scores the method's filler (an example that adds nothing to the loss or the units)."""
+    rows scores the method's filler (an example that adds nothing to the loss or the units).
+
+    Under sequence parallelism (`sp`) the rows are shared out by data-parallel rank and each rank of a group scores
+    its slice of them; the units, counted on whole rows by every rank of a group, are divided back."""
     import math
 
     import torch
 
     rank, world = accelerator.process_index, accelerator.num_processes
+    if sp is not None:
+        rank, world = sp.layout.dp_rank, sp.layout.dp_size
+    copies = sp.size if sp is not None else 1
     shard = list(range(rank, len(eval_data), world))
     forwards = math.ceil(math.ceil(len(eval_data) / world) / batch_size)
     filler = method.filler(eval_data[0])
@@ -26,11 +33,14 @@ def evaluate(accelerator, loss_module, method, eval_data, collate, batch_size: i
         for start in range(0, forwards * batch_size, batch_size):
             rows = [eval_data[i] for i in shard[start:start + batch_size]] or [filler]
             batch = {k: v.to(accelerator.device) if hasattr(v, "to") else v for k, v in collate(rows).items()}
-            summed, metrics = method.forward(loss_module, batch)
+            summed, metrics = method.forward(loss_module, batch if sp is None else sp.shard_batch(batch))
+            if sp is not None:
+                sp.end_batch()
             values = [summed, method.units(batch)] + [metrics.get(name, 0.0) for name in method.metric_names]
             sums += torch.stack([torch.as_tensor(v, device=accelerator.device).double() for v in values])
     loss_module.train()
     totals = accelerator.reduce(sums, "sum")
+    totals[1] /= copies
     units = totals[1].clamp(min=1)
     sums = {name: float(totals[2 + i]) for i, name in enumerate(method.metric_names)}
     return float(totals[0] / units), method.reduce_metrics(sums, float(totals[1])) if sums else {}

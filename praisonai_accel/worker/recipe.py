@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, resume_rule
+from ..checks import final_model_dir_rule, resume_rule, sequence_parallel_rule
 from ..config import ConfigError, TrainConfig
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..handoff import VERBOSE_ENV
@@ -40,6 +40,7 @@ from .evaluation import evaluate, record_evaluation
 from .failures import DiskFull, Preempted, is_disk_full
 from .flops import flop_counts
 from .inputs import load_training_data, packing_for, shares_cache, train_loader
+from .long_context import apply_to_model, data_parallel_size, prepare, start_groups
 from .metrics import MetricsLogger, Window
 from .optim import build_optimizer, build_scheduler, plan_steps
 from .preflight import run_preflight
@@ -64,6 +65,8 @@ class Recipe:
         self.backend = None  # model.Backend: transformers or unsloth
         self.reentrant = False  # reentrant gradient checkpointing (unsloth's, or asked for)
         self.packing = False
+        self.sp = None  # sequence_parallel.SequenceParallel when sequence_parallel_size > 1
+        self.data_parallel = 1  # processes reading different rows (a sequence-parallel group reads the same)
         self.resume_from: Path | None = None
         self.resume_skip = 0  # micro-batches each rank skips in the resumed epoch
         self._resume_warning: str | None = None  # the process layout changed since the checkpoint
@@ -98,6 +101,8 @@ class Recipe:
         self.accelerator = accelerator = build_accelerator(config, self.env.is_distributed, self.reentrant, use_cuda, bf16)
         quiet_libraries(self.verbose)
         final_model_dir_rule(config)  # accelerate launch / torchrun: not checked before launch
+        sequence_parallel_rule(config, accelerator.num_processes)  # the model's heads: once it is loaded
+        self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
                         "code is on the model's main branch when it loads; pin it with revision: <commit>")
@@ -119,6 +124,8 @@ class Recipe:
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
+        sequence_parallel_rule(config, accelerator.num_processes, model.config)
+        self.sp = start_groups(config)
 
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
                                                                          self.method.data(self.tokenizer))
@@ -128,8 +135,9 @@ class Recipe:
         self.flop_counts = flop_counts(model)
         if self.reentrant and accelerator.num_processes > 1:
             self._check_every_trainable_parameter_learns(loss_module, train_data)
+        apply_to_model(config, model, self.sp, self.tokenizer.pad_token_id)
         optimizer = build_optimizer(config, loss_module)
-        self.model, self.optimizer, self.loader = accelerator.prepare(loss_module, optimizer, loader)
+        self.model, self.optimizer, self.loader = prepare(accelerator, loss_module, optimizer, loader, self.sp)
         prepared = self.method.before_training(accelerator, self.model, train_data, self.collate, self.output_dir)
         if prepared is not train_data:  # the method attached what it computed once (reference log-probs)
             accelerator._dataloaders.remove(self.loader)  # one loader, as in a run without it: checkpoints agree
@@ -144,7 +152,7 @@ class Recipe:
         if threading.current_thread() is threading.main_thread():  # Ray Train runs the loop in another thread
             signal.signal(signal.SIGTERM, self._on_sigterm)
         start_trackers(accelerator, config, self.verbose)
-        world, accum, per_device = accelerator.num_processes, config.gradient_accumulation_steps, config.per_device_train_batch_size
+        world, accum, per_device = self.data_parallel, config.gradient_accumulation_steps, config.per_device_train_batch_size
         log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d%s", self.total_steps, self.steps_per_epoch,
                  per_device, accum, world, per_device * accum * world, " rows" if self.packing else "")
 
@@ -174,7 +182,7 @@ class Recipe:
         config = self.config
         return ckpt.CheckpointState(
             global_step=0, epoch=0, batches_in_epoch=0, samples_in_epoch=0, samples_seen=0,
-            world_size=self.accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
+            world_size=self.data_parallel, per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             run_fingerprint=config.run_fingerprint(), config_fingerprint=config.fingerprint(),
             run_identity=config.run_identity(), model_commit=self.model_commit,
@@ -195,7 +203,7 @@ class Recipe:
         accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(self.output_dir))
         self.state = saved
         self.state.batches_in_epoch = self.resume_skip
-        self.state.world_size = accelerator.num_processes
+        self.state.world_size = self.data_parallel
         self.state.per_device_train_batch_size = config.per_device_train_batch_size
         self.state.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.state.config_fingerprint = config.fingerprint()
@@ -212,7 +220,7 @@ class Recipe:
 
     def train(self) -> dict:
         config, accelerator, state = self.config, self.accelerator, self.state
-        world = accelerator.num_processes
+        world = self.data_parallel
         if accelerator.is_main_process:
             outputs.trim_metrics_after(self.output_dir, state.global_step)
         tracker_log = (lambda values, step: accelerator.log(values, step=step)) if config.trackers else None
@@ -232,7 +240,8 @@ class Recipe:
                 batches_per_epoch = len(self.loader)
                 for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
                     step = optimizer_step(accelerator, self.model, self.optimizer, self.scheduler, self.method, group,
-                                          config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop_requested)
+                                          config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop_requested,
+                                          self.sp)
                     watchdog.progress()
                     if step is None:  # SIGTERM between micro-batches: the step was abandoned, save where the last ended
                         self._preempted()
@@ -303,7 +312,7 @@ class Recipe:
 
     def evaluate(self) -> tuple[float, dict[str, float]]:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
-        result = evaluate(self.accelerator, self.model, self.method, self.eval_data, self.collate, batch_size)
+        result = evaluate(self.accelerator, self.model, self.method, self.eval_data, self.collate, batch_size, self.sp)
         reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
         return result
 

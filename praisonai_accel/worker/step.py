@@ -3,7 +3,11 @@
 The loss of a step is the sum of the method's unit losses over every micro-batch on every rank, divided by the
 number of units (target tokens for SFT, pairs for DPO) in all of them: only then do 2 processes x batch B give the
 same update as 1 process x batch 2B, and accumulation 2 the same as a batch twice as large. DDP averages gradients
-over ranks, so each rank scales its summed loss by world / units; micro-batch gradients add up under no_sync."""
+over ranks, so each rank scales its summed loss by world / units; micro-batch gradients add up under no_sync.
+
+Under sequence parallelism (`sp`) the ranks of a group hold the same rows and each trains its slice of them: the
+counts, taken on whole rows, are summed over the world once per rank of a group and divided back; the loss sums
+are the slices', which add up to the rows'."""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def restore_rng(snapshot: dict) -> None:
 
 
 def optimizer_step(accelerator, model, optimizer, scheduler, method, group: list, max_grad_norm: float,
-                   flop_counts, stop_agreed: Callable[[], bool], stop_requested: bool) -> StepResult | None:
+                   flop_counts, stop_agreed: Callable[[], bool], stop_requested: bool, sp=None) -> StepResult | None:
     """Forward/backward every micro-batch, then one optimizer step; totals are over all ranks.
 
     None when SIGTERM arrived between two micro-batches: a long step on a big model would otherwise end under
@@ -46,11 +50,12 @@ def optimizer_step(accelerator, model, optimizer, scheduler, method, group: list
     import torch
 
     rng = rng_snapshot() if len(group) > 1 else None
+    copies = sp.size if sp is not None else 1  # ranks holding each row
     device = accelerator.device
     wide = torch.float64 if device.type != "mps" else torch.float32
     local = torch.tensor([sum(float(method.units(b)) for b in group), sum(batch_targets(b) for b in group)],
                          dtype=wide, device=device)
-    step_units, step_targets = (int(x) for x in accelerator.reduce(local, reduction="sum").tolist())
+    step_units, step_targets = (int(x) // copies for x in accelerator.reduce(local, reduction="sum").tolist())
     scale = accelerator.num_processes / max(step_units, 1)  # DDP averages over ranks; micro-batch grads add up
     loss_sum = torch.zeros((), device=device)
     metric_sums: dict = {}
@@ -63,8 +68,10 @@ def optimizer_step(accelerator, model, optimizer, scheduler, method, group: list
             return None
         last = index == len(group) - 1
         with nullcontext() if last else accelerator.no_sync(model):
-            summed, metrics = method.forward(model, batch)
+            summed, metrics = method.forward(model, batch if sp is None else sp.shard_batch(batch))
             accelerator.backward(summed * scale)
+        if sp is not None:
+            sp.end_batch()
         loss_sum += summed.detach()
         for name, value in metrics.items():
             metric_sums[name] = metric_sums.get(name, 0) + value.detach().float()
@@ -84,8 +91,8 @@ def optimizer_step(accelerator, model, optimizer, scheduler, method, group: list
         [float(loss_sum), float(tokens), float(positions), float(stop_requested), float(examples), float(attended)]
         + [float(metric_sums[name]) for name in names],
         dtype=wide, device=device), "sum").tolist()
-    tokens, attended = int(totals[1]), int(totals[5])
-    return StepResult(loss_sum=totals[0], targets=step_targets, tokens=tokens, positions=int(totals[2]),
-                      grad_norm=grad_norm, stop=totals[3] > 0, examples=int(totals[4]),
+    tokens, attended = int(totals[1]) // copies, int(totals[5]) // copies
+    return StepResult(loss_sum=totals[0], targets=step_targets, tokens=tokens, positions=int(totals[2]) // copies,
+                      grad_norm=grad_norm, stop=totals[3] > 0, examples=int(totals[4]) // copies,
                       flops=flop_counts.step(tokens, attended, step_targets), units=step_units,
                       metric_sums=dict(zip(names, totals[6:])))

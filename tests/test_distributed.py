@@ -123,8 +123,16 @@ def _fake_unsloth(seen: dict):
     return types.SimpleNamespace(FastLanguageModel=FastLanguageModel, FastModel=FastModel)
 
 
+@pytest.fixture(autouse=True)
+def _settled_templates(monkeypatch):
+    """The fake unsloth hands back the text 'tokenizer'; its chat template is settled like any other (recorded)."""
+    settled = []
+    monkeypatch.setattr(model_module, "ensure_chat_template", lambda tokenizer, override=None: settled.append(tokenizer))
+    return settled
+
+
 @pytest.mark.parametrize("world_size, path", [(2, "FastBaseModel"), (1, "FastLlamaModel")])
-def test_unsloth_loads_and_builds_the_peft_model_on_one_path(monkeypatch, world_size, path):
+def test_unsloth_loads_and_builds_the_peft_model_on_one_path(monkeypatch, world_size, path, _settled_templates):
     """Under DDP, loading and get_peft_model both go through FastModel (FastBaseModel); on one process both through
     FastLanguageModel (FastLlamaModel). Setting the flag back to 1 after FastLanguageModel loaded, as this project did,
     gave a FastLlamaModel model FastBaseModel's PEFT path."""
@@ -143,6 +151,7 @@ def test_unsloth_loads_and_builds_the_peft_model_on_one_path(monkeypatch, world_
     assert backend.name == "unsloth" and seen["flag_at_import"] == ("1" if world_size > 1 else None)
     model, tokenizer = model_module.load_model_and_tokenizer(config, env, backend, use_cuda=True, bf16_supported=True)
     assert seen["load_path"] == seen["peft_path"] == path and tokenizer == "tokenizer"
+    assert _settled_templates == ["tokenizer"]  # unsloth's tokenizer gets the run's chat template too
     assert model == f"peft-model({'base' if world_size > 1 else 'llama'} via {path})"
     assert seen["from_pretrained"]["device_map"] == ({"": 1} if world_size > 1 else {"": 0})
     assert seen["peft"]["r"] == 4 and seen["peft"]["random_state"] == config.seed

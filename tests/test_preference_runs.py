@@ -132,3 +132,22 @@ def test_kto_on_llamafactorys_kto_demo(tmp_path, tiny_model):
     evals = [m for m in metrics if "eval_loss" in m]
     assert evals and "eval_kl" in evals[-1] and "eval_rewards/margins" in evals[-1]
     assert (out / "lora_model" / "adapter_model.safetensors").is_file()
+
+
+def test_preview_shows_prompt_chosen_and_rejected_or_the_labelled_completion(tmp_path, tiny_model):
+    for data, method, titles in ((DPO_DATA, "dpo", ["- prompt (", "- chosen (", "- rejected ("]),
+                                 (KTO_DATA, "kto", ["- prompt (", "- completion (desirable) ("])):
+        directory = tmp_path / method
+        directory.mkdir()
+        result = cli("preview", str(_config(directory, tiny_model, data=data, method=method)), "-n", "1")
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = result.stdout.splitlines()
+        shown = [next(i for i, line in enumerate(lines) if line.startswith(title)) for title in titles]
+        assert shown == sorted(shown), result.stdout  # prompt first, then each completion after it
+        prompt = "\n".join(lines[shown[0] + 1:shown[1]])
+        assert "[[" not in prompt and "<|im_start|>assistant" in prompt  # prompt tokens are never trained
+        for start in shown[1:]:
+            assert lines[start + 1].startswith("[["), result.stdout  # each completion is trained
+        header = lines[shown[0] - 1]
+        assert header.startswith("--- example 1 of 300:") and "trained" in header
+        assert f"masking: {method}" in result.stdout and "a pair counts both" in result.stdout

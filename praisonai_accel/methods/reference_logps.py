@@ -86,6 +86,10 @@ class WithReference:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def lengths(self) -> list[int]:  # the loader's length-grouped sampling reads them
+        return self.dataset.lengths
+
     def __getitem__(self, index: int) -> dict:
         return {**self.dataset[index], **{k: float(v[index]) for k, v in self.tensors.items()}}
 

@@ -13,7 +13,7 @@ TRAIN_ROWS, HELD_OUT_ROWS, SHOWN = 900, 100, 3
 def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
-    steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (250 for sft, 40 for dpo)"),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (250 for sft, 30 for dpo)"),
     method: str = typer.Option("sft", "--method", help="sft, or dpo: teach the SFT demo's model a preference"),
 ) -> None:
     """Build a tiny local model and a task with checkable answers (reverse 2 or 3 names), train it with N CPU

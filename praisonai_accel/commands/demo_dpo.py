@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-TRAIN_PAIRS, HELD_OUT_PAIRS, STEPS = 512, 100, 40
+TRAIN_PAIRS, HELD_OUT_PAIRS, STEPS = 512, 100, 30
 
 
 def dpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
@@ -35,7 +35,7 @@ def dpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> N
     output = (directory / "dpo_outputs").resolve()
     raw = demo_config(sft_model, data.resolve(), output, method="dpo", beta=0.1, max_steps=steps or STEPS,
                       dataset=[{"name": str(data.resolve())}], finetune_type="lora", lora_r=16, lora_alpha=32,
-                      max_seq_length=48, per_device_train_batch_size=8, learning_rate=5e-3, warmup_steps=2,
+                      max_seq_length=64, per_device_train_batch_size=8, learning_rate=5e-3, warmup_steps=2,
                       logging_steps=10, overwrite_output_dir=True)
     config_path = directory / "dpo_config.yaml"
     config_path.write_text(yaml.safe_dump(raw, sort_keys=False))

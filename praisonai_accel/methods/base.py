@@ -24,7 +24,7 @@ log = logging.getLogger("praisonai_accel")
 class TrainingMethod:
     name: str = ""
     unit: str = ""  # what the loss is a mean over, in words: "target tokens", "pairs", "examples"
-    metric_names: tuple[str, ...] = ()  # logged as means per unit, beside `loss`
+    metric_names: tuple[str, ...] = ()  # the metric sums forward returns; reduce_metrics makes the logged values
 
     def __init__(self, config):
         self.config = config

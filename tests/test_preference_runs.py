@@ -146,8 +146,8 @@ def test_preview_shows_prompt_chosen_and_rejected_or_the_labelled_completion(tmp
         assert shown == sorted(shown), result.stdout  # prompt first, then each completion after it
         prompt = "\n".join(lines[shown[0] + 1:shown[1]])
         assert "[[" not in prompt and "<|im_start|>assistant" in prompt  # prompt tokens are never trained
-        for start in shown[1:]:
-            assert lines[start + 1].startswith("[["), result.stdout  # each completion is trained
+        for title_line in shown[1:]:
+            assert lines[title_line + 1].startswith("[["), result.stdout  # each completion is trained
         header = lines[shown[0] - 1]
         assert header.startswith("--- example 1 of 300:") and "trained" in header
         assert f"masking: {method}" in result.stdout and "a pair counts both" in result.stdout

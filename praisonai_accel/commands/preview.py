@@ -46,7 +46,8 @@ def preview_command(
                    + (f" | invalid skipped {row['invalid']}" if row["invalid"] else ""))
         typer.echo(f"masking: {row['masking']}")
         longest = max([cfg.max_seq_length, *row["lengths"]])  # a preference pair is two sequences
-        typer.echo(f"lengths (max_seq_length {cfg.max_seq_length}{', a pair counts both' if longest > cfg.max_seq_length else ''}):")
+        pairs = ", a pair counts both" if longest > cfg.max_seq_length else ""
+        typer.echo(f"lengths (max_seq_length {cfg.max_seq_length}{pairs}):")
         for line in histogram(row["lengths"], longest):
             typer.echo(f"  {line}")
     for warning in stats.warnings():

@@ -56,7 +56,8 @@ def record_evaluation(config: TrainConfig, state, evaluation: tuple[float, dict[
     metric = loss if name == "loss" else metrics.get(name)
     if metric is None:
         state.evals_without_improvement += 1
-        return bool(config.early_stopping_patience and state.evals_without_improvement >= config.early_stopping_patience)
+        patience = config.early_stopping_patience
+        return bool(patience and state.evals_without_improvement >= patience)
     previous_best = state.best_metric
     if improved(metric, previous_best, config.greater_is_better, 0.0):
         state.best_metric = metric

@@ -22,7 +22,7 @@ def _setup(model_dir: str, checkpointing: bool):
 
     from praisonai_accel.data import ensure_chat_template
     from test_preference_training import _config, _pairs
-    from praisonai_accel.methods.preference import PreferenceMethod
+    from praisonai_accel.methods.preference import PreferenceLoss, PreferenceMethod
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -36,7 +36,7 @@ def _setup(model_dir: str, checkpointing: bool):
             if "lora_B" in name:
                 p.copy_(torch.linspace(-0.05, 0.05, p.numel()).reshape(p.shape))
     method = PreferenceMethod(_config())
-    module = method.loss_module(model, _config(), chunked=True).train()
+    module = PreferenceLoss(model, _config(), chunked=True).train()
     return method, module, _pairs(tokenizer, method, count=4), tokenizer.pad_token_id
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from praisonai_accel.data import ensure_chat_template
-from praisonai_accel.methods.preference import PreferenceMethod
+from praisonai_accel.methods.preference import PreferenceLoss, PreferenceMethod
 from praisonai_accel.methods.reference_logps import WithReference, compute_reference_logps, load_or_compute
 
 DEFAULTS = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5, max_prompt_length=64,
@@ -104,7 +104,7 @@ def test_dpo_learns_from_ln2_and_the_reference_never_changes(tiny, lora):
     method = PreferenceMethod(_config())
     examples = _pairs(tokenizer, method)
     model = _model(path, lora)
-    module = method.loss_module(model, _config(), chunked=True).train()
+    module = PreferenceLoss(model, _config(), chunked=True).train()
     assert (module.reference is None) == lora  # LoRA: no second copy; full: a frozen copy as a submodule
     frozen = _frozen_state(module)
     pad = tokenizer.pad_token_id
@@ -133,7 +133,7 @@ def test_one_batch_of_2b_equals_two_batches_of_b(tiny, method_name, loss_type):
     config = _config(method_name, loss_type=loss_type)
     method = PreferenceMethod(config)
     examples = _pairs(tokenizer, method, count=8)
-    module = method.loss_module(_model(path, lora=True), config, chunked=True).train()
+    module = PreferenceLoss(_model(path, lora=True), config, chunked=True).train()
     with torch.no_grad():  # a policy that differs from the reference
         for name, p in module.named_parameters():
             if "lora_B" in name:
@@ -160,7 +160,7 @@ def test_chunked_head_equals_full_logits(tiny, lora):
     data = method.collate(examples, tokenizer.pad_token_id)
     results = []
     for chunked in (True, False):
-        module = method.loss_module(_model(path, lora), _config(), chunked=chunked).train()
+        module = PreferenceLoss(_model(path, lora), _config(), chunked=chunked).train()
         with torch.no_grad():
             for name, p in module.causal_lm.named_parameters():
                 if p.requires_grad:
@@ -180,7 +180,7 @@ def test_kto_step0_and_precomputed_reference(tiny, tmp_path):
     path, tokenizer = tiny
     method = PreferenceMethod(_config("kto"))
     examples = _kto_examples(tokenizer, method)
-    module = method.loss_module(_model(path, lora=True), _config("kto", desirable_weight=1.5), chunked=True).train()
+    module = PreferenceLoss(_model(path, lora=True), _config("kto", desirable_weight=1.5), chunked=True).train()
     data = method.collate(examples, tokenizer.pad_token_id)
     loss_sum, metrics = module(**data)
     desirable = int(data["desirable"].sum())
@@ -206,7 +206,7 @@ def test_dpo_precomputed_reference_skips_the_reference_pass(tiny, tmp_path):
     path, tokenizer = tiny
     method = PreferenceMethod(_config())
     examples = _pairs(tokenizer, method, count=6)
-    module = method.loss_module(_model(path, lora=True), _config(), chunked=True).train()
+    module = PreferenceLoss(_model(path, lora=True), _config(), chunked=True).train()
     tensors = compute_reference_logps(method, module, examples, 4, tokenizer.pad_token_id)
     data = method.collate(examples, tokenizer.pad_token_id)
     live = module(**data)[0]
@@ -234,7 +234,7 @@ def test_dpo_module_equals_trl_dpo_trainer_on_a_real_model(tiny, loss_type):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    module = method.loss_module(model, config, chunked=True).train()
+    module = PreferenceLoss(model, config, chunked=True).train()
     loss_sum, metrics = module(**data)
 
     add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "mean_logits", "is_top1"))

@@ -21,7 +21,9 @@ def demo_command(
     model (training it first when it is absent) and teaches it, with DPO and LoRA, to prefer answers joined by commas
     over the spaces it learned, showing held-out preference accuracy before and after."""
     if method not in ("sft", "dpo"):
-        raise typer.BadParameter(f"--method: {method!r}; use sft or dpo")
+        from ..config import ConfigError
+
+        raise ConfigError(f"--method: {method!r} has no demo; use sft or dpo")
     if method == "dpo":
         from .demo_dpo import dpo_demo
 

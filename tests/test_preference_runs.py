@@ -94,7 +94,7 @@ def test_dpo_full_fine_tuning_under_fsdp_shards_the_reference_and_keeps_the_best
     from transformers import AutoModelForCausalLM
 
     config = _config(tmp_path, tiny_model, finetune_type="full", final_model_dir="model", max_steps=6,
-                     per_device_train_batch_size=2, learning_rate=1e-4, val_split_ratio=0.05, eval_steps=2,
+                     per_device_train_batch_size=2, learning_rate=2e-3, val_split_ratio=0.05, eval_steps=2,
                      save_steps=2, metric_for_best_model="eval_rewards/accuracies", greater_is_better=True)
     result = cli("train", str(config), *TWO, "--fsdp")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -187,7 +187,7 @@ class TrainConfig(_Strict):
     eval_steps: int | None = Field(default=None, gt=0)
     per_device_eval_batch_size: int | None = Field(default=None, gt=0)
     load_best_model_at_end: bool = False
-    metric_for_best_model: Literal["eval_loss", "loss"] = "eval_loss"
+    metric_for_best_model: str = "eval_loss"  # eval_loss, or an eval metric of the method (eval_rewards/accuracies)
     greater_is_better: bool = False
     early_stopping_patience: int | None = Field(default=None, gt=0)
     early_stopping_threshold: float = Field(default=0.0, ge=0.0)

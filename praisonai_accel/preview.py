@@ -29,6 +29,26 @@ def marked_text(tokenizer, input_ids, labels, colour: bool) -> str:
     return "".join(f"{OPEN}{text}{CLOSE}" if on else text for on, text in pieces)
 
 
+def example_parts(row) -> list[tuple[str, list[int], list[int]]]:
+    """The parts of one encoded example to show, as (title, input_ids, labels): an SFT row is one part; a preference
+    pair is its prompt, then chosen and rejected after it; a KTO example its prompt, then its completion, titled by
+    its label. A part's trained tokens are those whose label is not IGNORE_INDEX."""
+    if "labels" in row:
+        return [("", list(row["input_ids"]), list(row["labels"]))]
+    if "chosen_input_ids" in row:
+        sides = [("chosen", "chosen"), ("rejected", "rejected")]
+    else:
+        sides = [("completion", "completion (desirable)" if int(row["label"][0]) else "completion (undesirable)")]
+    first = sides[0][0]
+    ids, labels = list(row[f"{first}_input_ids"]), list(row[f"{first}_labels"])
+    start = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+    parts = [("prompt", ids[:start], labels[:start])]
+    for key, title in sides:
+        ids, labels = list(row[f"{key}_input_ids"]), list(row[f"{key}_labels"])
+        parts.append((title, ids[start:], labels[start:]))
+    return parts
+
+
 def histogram(lengths: list[int], max_length: int, buckets: int = 8, width: int = 40) -> list[str]:
     """Text bars of example lengths in `buckets` equal ranges up to max_length."""
     size = max(1, -(-max_length // buckets))

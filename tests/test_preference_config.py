@@ -58,6 +58,10 @@ def test_keys_of_the_chosen_method_are_accepted(extra):
     ({"method": "dpo", "loss_type": "kto_pair"}, "loss_type: expected one of"),
     ({"method": "ppo"}, "method: expected one of"),
     ({"method": "kto", "packing": True}, "packing: method kto trains whole pairs (or examples) side by side"),
+    ({"method": "kto", "metric_for_best_model": "eval_rewards/accuracies"},
+     "metric_for_best_model: 'eval_rewards/accuracies' is not a metric method: kto logs; use one of eval_loss, "
+     "eval_rewards/chosen"),
+    ({"metric_for_best_model": "rewards/margins"}, "is not a metric method: sft logs; use one of eval_loss"),
 ])
 def test_a_key_of_another_method_is_refused_in_one_line(extra, message):
     with pytest.raises(ConfigError) as error:
@@ -77,3 +81,24 @@ def test_default_prompt_limit_fits_a_short_max_seq_length():
 
     assert prompt_limit(parse_config({**BASE, "method": "dpo", "max_seq_length": 256})) == 128
     assert prompt_limit(parse_config({**BASE, "method": "dpo"})) == 512
+
+
+def test_metric_for_best_model_may_name_an_eval_metric_of_the_method():
+    from types import SimpleNamespace
+
+    from praisonai_accel.worker.evaluation import record_evaluation
+
+    for name in ("eval_rewards/accuracies", "rewards/accuracies"):
+        config = parse_config({**BASE, "method": "dpo", "metric_for_best_model": name, "greater_is_better": True,
+                               "early_stopping_patience": 2, "val_split_ratio": 0.1})
+        state = SimpleNamespace(best_metric=None, best_checkpoint=None, evals_without_improvement=0, global_step=1)
+        evaluations = [(0.69, {"rewards/accuracies": 0.5}), (0.70, {"rewards/accuracies": 0.75}),
+                       (0.60, {"rewards/accuracies": 0.6}), (0.50, {"rewards/accuracies": 0.7})]
+        stops = []
+        for step, evaluation in enumerate(evaluations, 1):
+            state.global_step = step
+            stops.append(record_evaluation(config, state, evaluation, saves_now=True))
+        # the best is the highest accuracy (step 2), not the lowest loss (step 4); two evaluations without a
+        # better accuracy stop the run
+        assert (state.best_metric, state.best_checkpoint, stops) == (0.75, "checkpoint-2", [False, False, False, True])
+    assert parse_config({**BASE, "metric_for_best_model": "loss"}).metric_for_best_model == "loss"

@@ -13,10 +13,21 @@ TRAIN_ROWS, HELD_OUT_ROWS, SHOWN = 900, 100, 3
 def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
-    steps: int = typer.Option(250, "--steps", min=1, help="optimizer steps"),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (250 for sft, 30 for dpo)"),
+    method: str = typer.Option("sft", "--method", help="sft, or dpo: teach the SFT demo's model a preference"),
 ) -> None:
     """Build a tiny local model and a task with checkable answers (reverse 2 or 3 names), train it with N CPU
-    processes, and show held-out answers and exact-match accuracy before and after."""
+    processes, and show held-out answers and exact-match accuracy before and after. --method dpo starts from that
+    model (training it first when it is absent) and teaches it, with DPO and LoRA, to prefer answers joined by commas
+    over the spaces it learned, showing held-out preference accuracy before and after."""
+    if method not in ("sft", "dpo"):
+        from ..config import ConfigError
+
+        raise ConfigError(f"--method: {method!r} has no demo; use sft or dpo")
+    if method == "dpo":
+        from .demo_dpo import dpo_demo
+
+        return dpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft"))
     import yaml
 
     from ..config import parse_config
@@ -32,7 +43,7 @@ def demo_command(
     held_out = task_records(HELD_OUT_ROWS, seed=1, exclude={r["input"] for r in train_rows})
     data = write_jsonl(train_rows, directory / "data.jsonl")
     # The tiny model is trained fully: its weights are random, and a LoRA adapter on random weights learns slowly.
-    raw = demo_config(model_dir.resolve(), data.resolve(), (directory / "outputs").resolve(), max_steps=steps,
+    raw = demo_config(model_dir.resolve(), data.resolve(), (directory / "outputs").resolve(), max_steps=steps or 250,
                       finetune_type="full", final_model_dir="model", max_seq_length=48, per_device_train_batch_size=16,
                       learning_rate=5e-3, warmup_steps=10, logging_steps=50)
     config_path = directory / "config.yaml"

@@ -20,7 +20,7 @@ def preview_command(
     from rich.console import Console
 
     from ..data import IGNORE_INDEX
-    from ..preview import dataset_rows, histogram, marked_text
+    from ..preview import dataset_rows, example_parts, histogram, marked_text
 
     cfg = load_config(config)
     check_local_inputs(cfg)
@@ -30,10 +30,14 @@ def preview_command(
     show = console.print if colour else typer.echo
     legend = "trained tokens in green" if colour else "trained tokens between [[ and ]]"
     for index in range(min(examples, len(data))):
-        row = data[index]
-        trained = int((row["labels"] != IGNORE_INDEX).sum())
-        show(f"--- example {index + 1} of {len(data)}: {len(row['input_ids'])} tokens, {trained} trained ({legend})")
-        show(marked_text(tokenizer, row["input_ids"], row["labels"], colour))
+        parts = example_parts(data[index])
+        tokens = sum(len(ids) for _, ids, _ in parts)
+        trained = sum(label != IGNORE_INDEX for _, _, labels in parts for label in labels)
+        show(f"--- example {index + 1} of {len(data)}: {tokens} tokens, {trained} trained ({legend})")
+        for title, ids, labels in parts:
+            if title:  # a preference example: its prompt, then each completion after it
+                show(f"- {title} ({len(ids)} tokens):")
+            show(marked_text(tokenizer, ids, labels, colour))
     for row in dataset_rows(data, stats):
         typer.echo(f"=== {row['name']}")
         typer.echo(f"examples {row['examples']} of {row['rows']} | tokens {row['tokens']:,} | trained fraction "
@@ -41,8 +45,10 @@ def preview_command(
                    f"(response cut {row['response_cut']}) | dropped {row['dropped']}"
                    + (f" | invalid skipped {row['invalid']}" if row["invalid"] else ""))
         typer.echo(f"masking: {row['masking']}")
-        typer.echo(f"lengths (max_seq_length {cfg.max_seq_length}):")
-        for line in histogram(row["lengths"], cfg.max_seq_length):
+        longest = max([cfg.max_seq_length, *row["lengths"]])  # a preference pair is two sequences
+        pairs = ", a pair counts both" if longest > cfg.max_seq_length else ""
+        typer.echo(f"lengths (max_seq_length {cfg.max_seq_length}{pairs}):")
+        for line in histogram(row["lengths"], longest):
             typer.echo(f"  {line}")
     for warning in stats.warnings():
         typer.echo(f"warning: {warning}", err=True)

@@ -141,7 +141,10 @@ class PreferenceMethod(TrainingMethod):
         self.name = config.method
         self.paired = config.method != "kto"
         self.unit = "pairs" if self.paired else "examples"
-        self.metric_names = plosses.PAIR_METRICS if self.paired else plosses.KTO_METRICS
+        # the sums forward returns (evaluation gathers these): KTO's means over desirable / undesirable examples need
+        # their counts; reduce_metrics turns them into what is logged
+        self.metric_names = (plosses.PAIR_METRICS if self.paired
+                             else plosses.KTO_METRICS + ("count/desirable", "count/undesirable"))
         self._plans: dict[int, object] = {}
         self.pad_token_id = 0  # set by collator()
 

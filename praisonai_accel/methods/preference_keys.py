@@ -10,6 +10,23 @@ KEYS_BY_METHOD = {
     "orpo": {"beta", "max_prompt_length"},
     "kto": {"beta", "max_prompt_length", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight"},
 }
+# What each method logs beside its loss (TRL's names); evaluation logs them as eval_<name>. preference_loss uses these.
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected")
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
+METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS}
+
+
+def best_model_metric(config) -> str:
+    """metric_for_best_model as evaluation logs it ("loss" and names without eval_ mean their eval_ form, as in
+    transformers); ValueError (one line) for a metric the method never logs."""
+    name = config.metric_for_best_model
+    name = name if name.startswith("eval_") else f"eval_{name}"
+    known = ("eval_loss",) + tuple(f"eval_{m}" for m in METRICS_BY_METHOD[config.method])
+    if name not in known:
+        raise ValueError(f"metric_for_best_model: {config.metric_for_best_model!r} is not a metric method: "
+                         f"{config.method} logs; use one of {', '.join(known)}")
+    return name
 
 
 def check_method_keys(config) -> None:
@@ -32,6 +49,7 @@ def check_method_keys(config) -> None:
             raise ValueError(f"simpo_gamma: only loss_type simpo reads it, not loss_type: {config.loss_type}")
         if key == "precompute_ref_log_probs" and config.loss_type == "simpo":
             raise ValueError("precompute_ref_log_probs: loss_type simpo is reference-free; there is nothing to precompute")
+    best_model_metric(config)
     if method != "sft" and config.packing:
         raise ValueError(f"packing: method {method} trains whole pairs (or examples) side by side, never packed; "
                          "remove packing")

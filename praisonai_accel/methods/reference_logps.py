@@ -11,12 +11,14 @@ skips the reference pass. KTO's KL rows pair examples within a batch, so their r
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
 
 REFERENCE_DIR = "reference_logps"
+log = logging.getLogger("praisonai_accel")
 
 
 def _columns(paired: bool) -> tuple[str, ...]:
@@ -84,6 +86,10 @@ class WithReference:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def lengths(self) -> list[int]:  # the loader's length-grouped sampling reads them
+        return self.dataset.lengths
+
     def __getitem__(self, index: int) -> dict:
         return {**self.dataset[index], **{k: float(v[index]) for k, v in self.tensors.items()}}
 
@@ -103,6 +109,8 @@ def precompute_on_ranks(method, accelerator, module, dataset, output_dir) -> Wit
     path = reference_path(output_dir)
     found = _read_if_current(path, fingerprint)
     if found is not None and {len(v) for v in found.values()} == {len(dataset)}:
+        if accelerator.is_main_process:
+            log.info("reference log-probs: read from %s (%d examples), not recomputed", path, len(dataset))
         return WithReference(dataset, found)
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(dataset), world))
@@ -133,6 +141,7 @@ def precompute_on_ranks(method, accelerator, module, dataset, output_dir) -> Wit
             tensors[name][torch.as_tensor(indices[:len(column)], dtype=torch.long)] = torch.as_tensor(column)
     if accelerator.is_main_process:
         _write(path, tensors, fingerprint)
+        log.info("reference log-probs: computed for %d examples, kept in %s", len(dataset), path)
     accelerator.wait_for_everyone()
     return WithReference(dataset, tensors)
 

@@ -52,12 +52,22 @@ def improved(metric: float, best: float | None, greater_is_better: bool, thresho
     return metric > best + threshold if greater_is_better else metric < best - threshold
 
 
-def record_evaluation(config: TrainConfig, state, metric: float, saves_now: bool) -> bool:
-    """Track the best metric (and the checkpoint about to hold it); True when early stopping says stop.
+def record_evaluation(config: TrainConfig, state, evaluation: tuple[float, dict[str, float]], saves_now: bool) -> bool:
+    """Track the best metric_for_best_model of an evaluation's (loss, metrics) (and the checkpoint about to hold it);
+    True when early stopping says stop.
 
     As in transformers: any improvement makes a new best, but only one beyond early_stopping_threshold
     resets the patience counter.
     """
+    loss, metrics = evaluation
+    name = config.metric_for_best_model  # checked against the method's metrics by config.py
+    name = name[len("eval_"):] if name.startswith("eval_") else name
+    # A metric missing from this evaluation (KTO's rewards/chosen when no held-out example is desirable) is no news.
+    metric = loss if name == "loss" else metrics.get(name)
+    if metric is None:
+        state.evals_without_improvement += 1
+        patience = config.early_stopping_patience
+        return bool(patience and state.evals_without_improvement >= patience)
     previous_best = state.best_metric
     if improved(metric, previous_best, config.greater_is_better, 0.0):
         state.best_metric = metric

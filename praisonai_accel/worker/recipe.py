@@ -308,7 +308,8 @@ class Recipe:
         eval_loss, eval_metrics = self.evaluate()
         self.metrics.log_event({"step": state.global_step, "eval_loss": eval_loss,
                                 **{f"eval_{name}": value for name, value in eval_metrics.items()}})
-        return record_evaluation(config, state, eval_loss, self._saves_at(state.global_step, end_of_epoch))
+        return record_evaluation(config, state, (eval_loss, eval_metrics),
+                                 self._saves_at(state.global_step, end_of_epoch))
 
     def evaluate(self) -> tuple[float, dict[str, float]]:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size

@@ -215,7 +215,7 @@ def general_name(plan: ExportPlan, model_dir: Path) -> str:
 
 def quantize(source: Path, outfile: Path, method: str) -> Path:
     """llama.cpp's quantizer, in a child process: its log stays out of ours, and a crash cannot take us down."""
-    _run([sys.executable, "-m", "praisonai_accel.gguf_export", "quantize", str(source), str(outfile), method],
+    _run([sys.executable, "-m", "praisonai_accel.publish.gguf", "quantize", str(source), str(outfile), method],
          f"llama.cpp's quantizer ({method})")
     return outfile
 
@@ -406,7 +406,7 @@ def _main(argv: list[str]) -> int:
         if code != 0:
             print(f"error: llama_model_quantize returned {code}", file=sys.stderr)
         return 1 if code else 0
-    print("usage: python -m praisonai_accel.gguf_export quantize IN OUT METHOD", file=sys.stderr)
+    print("usage: python -m praisonai_accel.publish.gguf quantize IN OUT METHOD", file=sys.stderr)
     return 2
 
 

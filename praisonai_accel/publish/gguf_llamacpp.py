@@ -1,4 +1,4 @@
-"""llama.cpp's converter and engine, found before anything heavy starts (used by gguf_export only).
+"""llama.cpp's converter and engine, found before anything heavy starts (used by publish/gguf.py only).
 
 The converter (convert_hf_to_gguf.py with its conversion/ package and gguf-py) ships in llama-cpp-python's source
 distribution, not in its wheel. It is found, in order: at $LLAMA_CPP_CONVERTER (a llama.cpp checkout, its

@@ -1,4 +1,4 @@
-"""The tokenizer files llama.cpp's converter reads, for models saved by transformers 5 (used by gguf_export only).
+"""The tokenizer files llama.cpp's converter reads, for models saved by transformers 5 (used by publish/gguf.py only).
 
 transformers 5 saves tokenizer.json and a tokenizer_config.json without `added_tokens_decoder`, and no longer the
 SentencePiece `tokenizer.model` of Llama-2-style vocabularies (Llama 2, Mistral v0.1, Phi-3, ...). The converter

@@ -11,9 +11,9 @@ the first two). --gpu: one CUDA GPU, fp32 weights under bf16 autocast on both si
 
 What "ours" is, honestly: praisonai_accel.methods' PreferenceMethod (encode, collate) and PreferenceLoss (reference
 pass + policy pass of chosen and rejected in one batch, through the chunked head) driven by a plain loop of AdamW
-steps: no accelerate, no checkpoints, no logging. The recipe that will drive the same module adds those; until it
-does, this measures the method itself, against the whole of TRL's DPOTrainer step (which also logs entropy, mean
-logits and token accuracy every step).
+steps: no accelerate, no checkpoints, no logging. The recipe drives the same module (and adds those); this measures
+the method itself, against the whole of TRL's DPOTrainer step (which also logs entropy, mean logits and token
+accuracy every step).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.chat_masking import IGNORE_INDEX
-from .lm_loss import CHUNK_ELEMENTS, FROZEN_HEAD_ROWS, TILE_ELEMENTS, VOCAB_BLOCK, _compute_dtype, _matmul, _transform
+from .lm_loss import CHUNK_ELEMENTS, _compute_dtype, _transform, frozen_head_walk
 
 
 class _FrozenHeadLogProbs(torch.autograd.Function):
@@ -25,54 +25,7 @@ class _FrozenHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, softcap, scale):
-        compute = _compute_dtype(hidden)
-        w = weight if weight.dtype == compute else weight.to(compute)
-        rows_total, width = hidden.shape
-        vocab = weight.size(0)
-        needs_hidden = hidden.requires_grad
-        out = torch.empty(rows_total, dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
-        rows = max(1, min(FROZEN_HEAD_ROWS, rows_total))
-        block = max(1, min(vocab, VOCAB_BLOCK, TILE_ELEMENTS // rows))
-        fp32 = compute == torch.float32
-        tile = torch.empty(rows, block, dtype=torch.float32, device=hidden.device) if fp32 and rows_total else None
-        for start in range(0, rows_total, rows):
-            h, y = hidden[start:start + rows].to(compute), targets[start:start + rows]
-            n = h.size(0)
-            peak = torch.full((n,), float("-inf"), device=h.device)
-            norm = torch.zeros(n, device=h.device)
-            target_logit = torch.zeros(n, device=h.device)
-            target_slope = torch.ones(n, device=h.device) if softcap is not None else None
-            acc = torch.zeros(n, width, device=h.device) if needs_hidden else None
-            for v0 in range(0, vocab, block):
-                w_block = w[v0:v0 + block]
-                logits = _matmul(h, w_block.t(), tile[:n, :w_block.size(0)] if fp32 else None).float()
-                slope = _transform(logits, None if bias is None else bias[v0:v0 + block], softcap, scale)
-                here = ((y >= v0) & (y < v0 + w_block.size(0))).nonzero().squeeze(1)
-                target_logit[here] = logits[here, y[here] - v0]
-                if slope is not None:
-                    target_slope[here] = slope[here, y[here] - v0]
-                new_peak = torch.maximum(peak, logits.amax(dim=-1))
-                rescale = (peak - new_peak).exp_()
-                exp = logits.sub_(new_peak[:, None]).exp_()
-                norm.mul_(rescale).add_(exp.sum(dim=-1))
-                peak = new_peak
-                if acc is None:
-                    continue
-                if slope is not None:
-                    exp *= slope
-                acc.mul_(rescale[:, None])
-                if fp32:
-                    acc.addmm_(exp, w_block)
-                else:
-                    acc += (exp.to(compute) @ w_block).float()
-            out[start:start + n] = target_logit - peak - norm.log()
-            if acc is not None:
-                target_rows = w[y].float()
-                if target_slope is not None:
-                    target_rows *= target_slope[:, None]
-                grad = target_rows.sub_(acc.div_(norm[:, None]))  # d log p / d h = W_y - E_softmax[W]
-                grad_hidden[start:start + n] = grad * scale if scale is not None else grad
+        out, grad_hidden = frozen_head_walk(hidden, weight, bias, targets, softcap, scale)
         ctx.grad_hidden = grad_hidden
         ctx.hidden_dtype = hidden.dtype
         return out

@@ -16,7 +16,7 @@ from .chat_masking import (
     IGNORE_INDEX, METHOD_MARKERS, METHOD_SPANS, METHOD_TWIN, MaskingPlan, content_text, encode_conversation, end_of_turn_token, normalize_message, plan_masking,
     render, special_strings, template_name,
 )
-from .encoding import Encoded, batch_targets, count_targets, encode_chat, encode_text
+from .encoding import Encoded, batch_targets, count_targets, encode_chat, encode_text, target_count
 from .formats import (
     MESSAGE_KEYS, ROLE_NAMES, TOO_LONG, Conversation, DataError, RowProblem, check_row, detect_format, to_conversation,
 )

@@ -105,6 +105,11 @@ def count_targets(labels) -> int:
     return sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
 
+def target_count(batch):
+    """count_targets over a padded batch (padding is IGNORE_INDEX, so it never counts), as a 0-dim tensor on the
+    batch's device: summing it waits for nothing."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
 def batch_targets(batch) -> int:
-    """count_targets over a padded batch (padding is IGNORE_INDEX, so it never counts)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return int(target_count(batch))

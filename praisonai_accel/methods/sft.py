@@ -30,9 +30,9 @@ class SFT(TrainingMethod):
         return {**example, "labels": np.full(len(example["labels"]), IGNORE_INDEX, dtype=np.int64)}
 
     def units(self, batch: dict):
-        from ..data import batch_targets
+        from ..data import target_count
 
-        return batch_targets(batch)
+        return target_count(batch)
 
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
         from .lm_loss import CausalLMLoss, ShardedCausalLMLoss, load_liger

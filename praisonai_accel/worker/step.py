@@ -15,7 +15,7 @@ import itertools
 from contextlib import nullcontext
 from typing import Callable, Iterator
 
-from ..data import batch_targets
+from ..data import target_count
 from .flops import attended_keys, examples_in
 from .metrics import StepResult
 
@@ -53,8 +53,9 @@ def optimizer_step(accelerator, model, optimizer, scheduler, method, group: list
     copies = sp.size if sp is not None else 1  # ranks holding each row
     device = accelerator.device
     wide = torch.float64 if device.type != "mps" else torch.float32
-    local = torch.tensor([sum(float(method.units(b)) for b in group), sum(batch_targets(b) for b in group)],
-                         dtype=wide, device=device)
+    # Counted on the device and read once, with the reduce: no wait per micro-batch (SFT's units are its targets).
+    local = torch.stack([sum(torch.as_tensor(method.units(b), device=device).to(wide) for b in group),
+                         sum(target_count(b) for b in group).to(wide)])
     step_units, step_targets = (int(x) // copies for x in accelerator.reduce(local, reduction="sum").tolist())
     scale = accelerator.num_processes / max(step_units, 1)  # DDP averages over ranks; micro-batch grads add up
     loss_sum = torch.zeros((), device=device)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .config_method import MethodKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
 # Local data files by extension, and the datasets loader that reads them (checked by the CLI before launch).
@@ -64,7 +65,7 @@ class DatasetSpec(_Strict):
     system_prompt: str | None = None
 
 
-class TrainConfig(_Strict):
+class TrainConfig(MethodKeys, _Strict):
     # model
     model_name: str
     tokenizer_name: str | None = None
@@ -99,24 +100,6 @@ class TrainConfig(_Strict):
     lora_target_modules: Union[list[str], Literal["all-linear"]] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     lora_bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
-    # training method (praisonai_accel/methods/): sft, or preference training; TRL's names and defaults
-    method: Literal["sft", "dpo", "orpo", "kto"] = "sft"
-    beta: float = Field(default=0.1, gt=0)  # dpo, orpo, kto
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"  # dpo (simpo: reference-free)
-    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)  # dpo loss_type robust or simpo
-    simpo_gamma: float = 0.5  # dpo loss_type simpo: the target reward margin
-    max_prompt_length: int = Field(default=512, gt=0)  # dpo, orpo, kto: prompts cut from the left to this first
-    precompute_ref_log_probs: bool = False  # dpo, kto: reference log-probs computed once, before the first step
-    desirable_weight: float = Field(default=1.0, gt=0)  # kto
-    undesirable_weight: float = Field(default=1.0, gt=0)  # kto
-
-    @model_validator(mode="after")
-    def _check_method_keys(self) -> "TrainConfig":
-        from .methods.preference_keys import check_method_keys
-
-        check_method_keys(self)
-        return self
-
     # optimisation
     per_device_train_batch_size: int = Field(default=2, gt=0)
     gradient_accumulation_steps: int = Field(default=1, gt=0)

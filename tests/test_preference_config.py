@@ -44,8 +44,8 @@ def test_keys_of_the_chosen_method_are_accepted(extra):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"beta": 0.2}, "beta: belongs to method dpo / orpo / kto, not to method: sft; remove it or set method: dpo"),
-    ({"method": "orpo", "loss_type": "ipo"}, "loss_type: belongs to method dpo, not to method: orpo"),
+    ({"beta": 0.2}, "beta: belongs to method dpo / orpo / kto / grpo, not to method: sft; remove it or set method: dpo"),
+    ({"method": "orpo", "loss_type": "ipo"}, "loss_type: belongs to method dpo / grpo, not to method: orpo"),
     ({"method": "dpo", "desirable_weight": 2}, "desirable_weight: belongs to method kto, not to method: dpo"),
     ({"method": "orpo", "precompute_ref_log_probs": True},
      "precompute_ref_log_probs: belongs to method dpo / kto, not to method: orpo"),
@@ -77,7 +77,7 @@ def test_a_dumped_config_reads_back():
 
 
 def test_default_prompt_limit_fits_a_short_max_seq_length():
-    from praisonai_accel.methods.preference_keys import prompt_limit
+    from praisonai_accel.methods.method_keys import prompt_limit
 
     assert prompt_limit(parse_config({**BASE, "method": "dpo", "max_seq_length": 256})) == 128
     assert prompt_limit(parse_config({**BASE, "method": "dpo"})) == 512

@@ -23,7 +23,7 @@ import torch
 from .lm_loss import CausalLMLoss
 from . import preference_data as pdata
 from . import preference_loss as plosses
-from .preference_keys import prompt_limit
+from .method_keys import prompt_limit
 from .preference_logps import sequence_logps
 from .base import TrainingMethod
 

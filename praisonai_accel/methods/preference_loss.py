@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_FREE = ("simpo",)
-from .preference_keys import KTO_METRICS, PAIR_METRICS  # noqa: F401  (the names, importable without torch)
+from .method_keys import KTO_METRICS, PAIR_METRICS  # noqa: F401  (the names, importable without torch)
 
 
 def dpo_losses(loss_type: str, beta: float, label_smoothing: float, chosen: torch.Tensor, rejected: torch.Tensor,

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+GRPO_KEYS = {"reward_funcs", "reward_weights", "reward_format_pattern", "num_generations", "max_completion_length",
+             "temperature", "top_p", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
+             "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm",
+             "vllm_gpu_memory_utilization"}
 METHOD_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs",
-               "desirable_weight", "undesirable_weight")
+               "desirable_weight", "undesirable_weight", *sorted(GRPO_KEYS))
+LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "hinge", "robust", "simpo"), "grpo": ("grpo", "dapo", "dr_grpo", "bnpo")}
 KEYS_BY_METHOD = {
     "sft": set(),
     "dpo": {"beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs"},
     "orpo": {"beta", "max_prompt_length"},
     "kto": {"beta", "max_prompt_length", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight"},
+    "grpo": {"beta", "loss_type", "max_prompt_length"} | GRPO_KEYS,
 }
 # What each method logs beside its loss (TRL's names); evaluation logs them as eval_<name>. preference_loss uses these.
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
-METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS}
+GRPO_METRICS = ("reward", "reward_std", "completions/mean_length", "clip_ratio", "kl")
+METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS, "grpo": GRPO_METRICS}
 
 
 def best_model_metric(config) -> str:
@@ -49,6 +56,13 @@ def check_method_keys(config) -> None:
             raise ValueError(f"simpo_gamma: only loss_type simpo reads it, not loss_type: {config.loss_type}")
         if key == "precompute_ref_log_probs" and config.loss_type == "simpo":
             raise ValueError("precompute_ref_log_probs: loss_type simpo is reference-free; there is nothing to precompute")
+    if method in LOSS_TYPES and config.loss_type not in LOSS_TYPES[method]:
+        raise ValueError(f"loss_type: {config.loss_type} is not a loss of method: {method}; use one of "
+                         f"{', '.join(LOSS_TYPES[method])}")
+    if method in ("dpo", "orpo", "kto") and config.beta <= 0:
+        raise ValueError(f"beta: must be greater than 0 for method: {method}")
+    if method == "grpo":
+        _check_grpo(config)
     best_model_metric(config)
     if method != "sft" and config.packing:
         raise ValueError(f"packing: method {method} trains whole pairs (or examples) side by side, never packed; "
@@ -63,3 +77,16 @@ def prompt_limit(config) -> int:
     if config.max_prompt_length < config.max_seq_length:
         return config.max_prompt_length
     return max(1, config.max_seq_length // 2)
+
+
+def _check_grpo(config) -> None:
+    if not config.reward_funcs:
+        raise ValueError("reward_funcs: method grpo needs at least one reward function (\"package.module:function\", "
+                         "or a built-in: exact_match, format)")
+    if config.reward_weights is not None and len(config.reward_weights) != len(config.reward_funcs):
+        raise ValueError(f"reward_weights: {len(config.reward_weights)} weight(s) for {len(config.reward_funcs)} "
+                         "reward function(s); give one per function")
+    if config.per_device_train_batch_size % config.num_generations:
+        raise ValueError(f"per_device_train_batch_size: counts completions for method grpo, and "
+                         f"{config.per_device_train_batch_size} does not hold whole groups of num_generations "
+                         f"{config.num_generations}; use a multiple of {config.num_generations}")

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .config_method import MethodKeys
+from .config_vision import VisionKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
 # Local data files by extension, and the datasets loader that reads them (checked by the CLI before launch).
@@ -65,7 +66,7 @@ class DatasetSpec(_Strict):
     system_prompt: str | None = None
 
 
-class TrainConfig(MethodKeys, _Strict):
+class TrainConfig(MethodKeys, VisionKeys, _Strict):
     # model
     model_name: str
     tokenizer_name: str | None = None

@@ -15,6 +15,7 @@ from typing import Any
 from .config import ConfigError, TrainConfig
 from .errors import first_line
 from .data import ensure_chat_template, load_tokenizer
+from .data.vision_processor import is_vision_checkpoint
 from .distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
     """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
     if config.use_unsloth is False:
         return Backend("transformers", reason="use_unsloth: false")
+    if is_vision_checkpoint(config):
+        if config.use_unsloth is True:
+            raise ConfigError("use_unsloth: true: vision-language models are trained with transformers + peft here; "
+                              "set use_unsloth: auto or false")
+        return Backend("transformers", reason="a vision-language model")
     if not use_cuda:
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true needs a CUDA GPU, and none is visible; set use_unsloth: auto or false")
@@ -134,14 +140,20 @@ def _quantization_config(compute_dtype):
 
 
 def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from . import vision_model
+
+    vision = is_vision_checkpoint(config)
 
     kwargs: dict[str, Any] = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
     if device_map is not None:
         kwargs["device_map"] = device_map
     if config.finetune_type == "qlora":
         kwargs["quantization_config"] = _quantization_config(dtype)
-    model = AutoModelForCausalLM.from_pretrained(config.model_name, **kwargs)
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(config.model_name, **kwargs)
+    if vision:
+        vision_model.freeze(model, config)
     checkpointing = bool(config.use_gradient_checkpointing)
     ckpt_kwargs = {"use_reentrant": config.use_gradient_checkpointing == "reentrant"}
     if config.finetune_type == "qlora":
@@ -157,7 +169,8 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
     if config.uses_lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(**lora_settings(config), task_type="CAUSAL_LM"))
+        scope = vision_model.lora_scope(model, config) if vision else {}
+        model = get_peft_model(model, LoraConfig(**lora_settings(config), **scope, task_type="CAUSAL_LM"))
     model.config.use_cache = False
     return model
 

@@ -44,6 +44,7 @@ def cache_key(specs: list[DatasetSpec], tokenizer, config: TrainConfig) -> str:
         "excess_length_strategy": config.excess_length_strategy,
         "skip_invalid_rows": config.skip_invalid_rows,
         **method_identity(config),
+        **image_identity(tokenizer),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -52,6 +53,14 @@ def method_identity(config: TrainConfig) -> dict:
     """What of the training method changes the encoded examples: SFT keys stay as they were."""
     method = getattr(config, "method", "sft")
     return {} if method == "sft" else {"method": method, "max_prompt_length": config.max_prompt_length}
+
+
+def image_identity(tokenizer) -> dict:
+    """A vision-language model's image processor settings (how many tokens an image becomes); nothing for text."""
+    from .vision_processor import processor_of
+
+    processor = processor_of(tokenizer)
+    return {} if processor is None else {"image_processor": processor.image_processor.to_dict()}
 
 
 @dataclass

@@ -38,7 +38,14 @@ log = logging.getLogger("praisonai_accel")
 
 
 def data_method(tokenizer, config: TrainConfig):
-    """SFT's data half: what the driver uses when the caller names no other (methods.TrainingMethod.data)."""
+    """SFT's data half: what the driver uses when the caller names no other (methods.TrainingMethod.data); rows
+    with images for a vision-language model's tokenizer (it carries the processor)."""
+    from .vision_processor import processor_of
+
+    if processor_of(tokenizer) is not None:
+        from .vision_rows import VisionSFTData
+
+        return VisionSFTData(tokenizer, config)
     return SFTData(tokenizer, config)
 
 

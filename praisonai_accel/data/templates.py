@@ -28,6 +28,12 @@ def load_tokenizer(config: TrainConfig):
     `preprocess`, `preview` and the launcher's preprocessing all tokenize with."""
     from transformers import AutoTokenizer
 
+    from .vision_processor import is_vision_checkpoint, load_processor, tokenizer_of
+
+    if is_vision_checkpoint(config):  # its processor's tokenizer, carrying the processor and its chat template
+        tokenizer = tokenizer_of(load_processor(config))
+        ensure_chat_template(tokenizer, config.chat_template)
+        return tokenizer
     name = config.tokenizer_name or config.model_name
     revision = config.revision if name == config.model_name else None  # a revision names a commit of model_name
     tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=config.trust_remote_code)

@@ -268,17 +268,18 @@ class CausalLMLoss(nn.Module):
     def tie_weights(self, *args, **kwargs):
         return transformers_model(self.causal_lm).tie_weights(*args, **kwargs)
 
-    def forward(self, input_ids, labels, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, **images) -> torch.Tensor:
+        """`images`: a vision-language model's image inputs (pixel_values, ...), passed on to its forward."""
         if position_ids is not None:  # packed rows: the mask comes from the restarting position ids
             attention_mask = None
             if self.flash:  # varlen flash-attention reads one packed row
                 input_ids, labels, position_ids = (t.reshape(1, -1) for t in (input_ids, labels, position_ids))
         if not self.chunked:
             logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).logits
+                                    use_cache=False, **images).logits
             return full_logits_loss_sum(logits, labels)
         hidden = self._decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state
+                                 use_cache=False, **images).last_hidden_state
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         where = targets != IGNORE_INDEX
         hidden, targets = hidden[where], targets[where]

@@ -12,14 +12,22 @@ class SFT(TrainingMethod):
     unit = "target tokens"
     supports_sequence_parallel = True
 
-    def data(self, tokenizer):
-        from ..data import SFTData
+    processor = None  # a vision-language model's processor: its rows carry images (data/vision_rows.py)
 
-        return SFTData(tokenizer, self.config)
+    def data(self, tokenizer):
+        from ..data import data_method
+        from ..data.vision_processor import processor_of
+
+        self.processor = processor_of(tokenizer)
+        return data_method(tokenizer, self.config)
 
     def collator(self, pad_token_id: int):
         from ..data import PadCollator
 
+        if self.processor is not None:
+            from ..data.vision_rows import VisionCollator
+
+            return VisionCollator(pad_token_id, self.processor)
         return PadCollator(pad_token_id)
 
     def filler(self, example: dict) -> dict:
@@ -44,7 +52,12 @@ class SFT(TrainingMethod):
         return settle_chunking(module, accelerator, tokenizer)
 
     def forward(self, module, batch: dict):
-        return module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids")), {}
+        images = {k: v for k, v in batch.items() if k not in TEXT_KEYS}  # pixel_values, image_grid_thw, ...
+        return module(batch["input_ids"], batch["labels"], batch["attention_mask"], batch.get("position_ids"),
+                      **images), {}
+
+
+TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 def settle_chunking(module, accelerator, tokenizer):

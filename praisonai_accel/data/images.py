@@ -1,0 +1,155 @@
+"""The images of a row: where they are, whether they open, how many placeholders ask for them, and their decoding.
+
+A row's `images` (a list, or one value) holds paths, relative to the dataset file's folder (a dataset folder: that
+folder; a Hub dataset: the working directory) or absolute. URLs are refused (training runs offline). Placeholders
+are TRL's `{"type": "image"}` content parts or LLaMA-Factory's `<image>` in the text; their count must be the
+number of images. Preprocessing reads each image's header (its size, for the number of image tokens) and decodes
+it cheaply to be sure it is whole (a JPEG at 1/8 scale); the pixels are decoded for training only in the collator.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..config import DatasetSpec
+from .formats import RowProblem
+
+PLACEHOLDER = "<image>"  # LLaMA-Factory's, in the text of a turn
+IMAGES_COLUMN = "images"
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+def image_values(row: dict) -> list:
+    """The row's images, as a list (one value alone, or none)."""
+    value = row.get(IMAGES_COLUMN)
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def base_folder(spec: DatasetSpec) -> Path:
+    """What relative image paths are relative to: the dataset file's folder, a dataset folder itself, else here."""
+    path = Path(spec.name).expanduser()
+    if path.is_file():
+        return path.resolve().parent
+    if path.is_dir():
+        return path.resolve()
+    return Path.cwd()
+
+
+def image_path(value, number: int, base: Path) -> Path | RowProblem:
+    """Image `number` (1-based) of a row as a file path, or why it is not one."""
+    if isinstance(value, dict) and isinstance(value.get("path"), str):  # a datasets Image feature, not decoded
+        value = value["path"]
+    if not isinstance(value, str) or not value.strip():
+        kind = "an empty path" if isinstance(value, str) else type(value).__name__
+        return RowProblem("invalid image", f"image {number} is {kind}, not the path of an image file")
+    if _URL.match(value):
+        return RowProblem("image is a URL", f"image {number} is a URL ({value}); training reads images offline: "
+                                            "download it and give its path")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def image_size(path: Path, number: int, check: bool = False) -> tuple[int, int] | RowProblem:
+    """(width, height) from the file's header; `check`: also decode it (a JPEG at reduced scale) to be sure it is
+    whole."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        return RowProblem("missing image", f"image {number} ({path}) does not exist")
+    try:
+        with Image.open(path) as image:
+            size = image.size
+            if check:
+                image.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
+                image.load()
+    except UnidentifiedImageError:
+        return RowProblem("unreadable image", f"image {number} ({path}) is not an image file PIL can read")
+    except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
+        return RowProblem("unreadable image", f"image {number} ({path}) cannot be read: {exc}")
+    return size
+
+
+def split_placeholders(text: str) -> list[dict]:
+    """LLaMA-Factory's text with <image> placeholders as TRL's content parts, in order."""
+    parts: list[dict] = []
+    for index, piece in enumerate(text.split(PLACEHOLDER)):
+        if index:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def with_image_parts(messages: list[dict]) -> list[dict]:
+    """Messages whose text holds <image> placeholders, as content parts; image parts keep only their type (the
+    processor is given the images themselves)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and PLACEHOLDER in content:
+            content = split_placeholders(content)
+        elif isinstance(content, list):
+            content = [part for block in content for part in
+                       ([{"type": "image"}] if block.get("type") == "image" else
+                        split_placeholders(block["text"]) if isinstance(block.get("text"), str) else [block])]
+        out.append({**message, "content": content})
+    return out
+
+
+def placeholder_count(messages: list) -> int:
+    """Images a conversation asks for: image content parts and <image> placeholders in its text."""
+    count = 0
+    for message in messages if isinstance(messages, list) else []:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content", message.get("value"))
+        if isinstance(content, str):
+            count += content.count(PLACEHOLDER)
+        elif isinstance(content, list):
+            for block in content:
+                if isinstance(block, dict):
+                    count += block.get("type") == "image"
+                    count += str(block.get("text") or "").count(PLACEHOLDER)
+    return count
+
+
+def check_images(row: dict, messages: list, base: Path) -> RowProblem | None:
+    """Why the row's images cannot be trained (missing, unreadable, a URL, not as many as its placeholders)."""
+    values = image_values(row)
+    wanted = placeholder_count(messages)
+    if wanted != len(values):
+        return RowProblem("image count mismatch",
+                          f"{wanted} image placeholder{'s' if wanted != 1 else ''} ({{\"type\": \"image\"}} parts or "
+                          f"{PLACEHOLDER}) but {len(values)} image{'s' if len(values) != 1 else ''} in '{IMAGES_COLUMN}'")
+    for number, value in enumerate(values, 1):
+        path = image_path(value, number, base)
+        if isinstance(path, RowProblem):
+            return path
+        size = image_size(path, number, check=True)
+        if isinstance(size, RowProblem):
+            return size
+    return None
+
+
+def encode_references(paths: list[Path]) -> list[int]:
+    """Image paths as an int column of the preprocessing cache (the UTF-8 bytes of their JSON list)."""
+    return list(json.dumps([str(p) for p in paths]).encode())
+
+
+def decode_references(column) -> list[str]:
+    return json.loads(bytes(int(b) for b in column).decode()) if len(column) else []
+
+
+def open_images(paths: list[str]):
+    """The images, decoded as RGB: what the collator hands the image processor."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        with Image.open(path) as image:
+            images.append(image.convert("RGB"))
+    return images

@@ -1,0 +1,79 @@
+"""The processor of a vision-language checkpoint: whether a checkpoint takes images, its AutoProcessor (with
+image_max_pixels / image_min_pixels), and the tokenizer that carries it through every stage that tokenizes (the
+launcher's preprocessing, `preview`, the workers), so a text model's path is unchanged.
+
+A checkpoint takes images when its config names a vision tower and maps to AutoModelForImageTextToText (LLaVA,
+Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..config import ConfigError
+
+PROCESSOR_ATTRIBUTE = "praisonai_processor"  # the tokenizer of a vision-language model carries its processor here
+
+
+def is_vision_config(model_config) -> bool:
+    """Does this transformers config describe a model that takes images (and text)?"""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(model_config, "vision_config", None) is not None
+            and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_checkpoint(name: str, revision: str | None, trust_remote_code: bool) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        return is_vision_config(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code))
+    except Exception:  # not loadable: loading the model says why, in one line
+        return False
+
+
+def is_vision_checkpoint(config) -> bool:
+    """Whether config.model_name is a vision-language checkpoint (read from its config.json)."""
+    return _vision_checkpoint(config.model_name, config.revision, config.trust_remote_code)
+
+
+def load_processor(config):
+    """The checkpoint's AutoProcessor, with image_max_pixels / image_min_pixels set where its image processor takes
+    a pixel budget (one line where it takes none)."""
+    from transformers import AutoProcessor
+
+    name = config.tokenizer_name or config.model_name
+    revision = config.revision if name == config.model_name else None
+    processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=config.trust_remote_code)
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        raise ConfigError(f"model_name: {name} has no image processor (its AutoProcessor is "
+                          f"{type(processor).__name__}); a vision-language model needs one")
+    for key, attribute in (("image_max_pixels", "max_pixels"), ("image_min_pixels", "min_pixels")):
+        value = getattr(config, key)
+        if value is None:
+            continue
+        if not hasattr(image_processor, attribute):
+            raise ConfigError(f"{key}: the image processor of {name} ({type(image_processor).__name__}) does not "
+                              "resize by a pixel budget; remove it")
+        setattr(image_processor, attribute, value)
+        size = getattr(image_processor, "size", None)  # Qwen2-VL reads the budget from size too
+        edge = "longest_edge" if attribute == "max_pixels" else "shortest_edge"
+        if size is not None and hasattr(size, "__contains__") and edge in size:
+            size[edge] = value
+    return processor
+
+
+def tokenizer_of(processor):
+    """The processor's tokenizer with the processor's chat template, carrying the processor (PROCESSOR_ATTRIBUTE)."""
+    tokenizer = processor.tokenizer
+    if getattr(processor, "chat_template", None):
+        tokenizer.chat_template = processor.chat_template
+    setattr(tokenizer, PROCESSOR_ATTRIBUTE, processor)
+    return tokenizer
+
+
+def processor_of(tokenizer):
+    """The processor a vision-language model's tokenizer carries; None for a text model."""
+    return getattr(tokenizer, PROCESSOR_ATTRIBUTE, None)

@@ -34,14 +34,6 @@ def base_model_of(adapter_dir: Path) -> str:
     return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
-def is_vision_config(config) -> bool:
-    """A vision-language model: one AutoModelForImageTextToText builds (Gemma 3's multimodal config, not gemma3_text)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return (getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-            or "AutoModelForImageTextToText" in (getattr(config, "auto_map", None) or {}))
-
-
 def model_config_of(model_dir: Path, trust_remote_code: bool = False):
     """The model's config: the directory's own, or an adapter's base model's (at the revision it trained on)."""
     from transformers import AutoConfig
@@ -87,6 +79,8 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
     model directory; the revision the run trained on does come from ours (it picks a commit, it runs nothing)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data.vision_processor import is_vision_config
 
     model_dir = resolve_model_dir(path)
     facts = read_marker(model_dir) or {}

@@ -16,8 +16,8 @@ from ._common import fail
 def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]] = None):
     """(model, tokenizer or processor, images): every --image read and the model checked to take images before it
     loads, each failure in one line."""
-    from ..inference import (ModelDirError, is_processor, is_vision_config, load_for_inference, model_config_of,
-                             read_image, resolve_model_dir)
+    from ..data.vision_processor import is_vision_config
+    from ..inference import ModelDirError, is_processor, load_for_inference, model_config_of, read_image, resolve_model_dir
 
     show_progress_lines()
     try:

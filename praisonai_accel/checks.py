@@ -74,3 +74,25 @@ def sequence_parallel_rule(config: TrainConfig, num_processes: int, model_config
     reason = check_world(num_processes, n) or (check_sequence_parallel(model_config, n) if model_config else None)
     if reason:
         raise ConfigError(reason)
+
+
+def vision_rule(config: TrainConfig, takes_images: bool | None) -> None:
+    """What a vision-language model cannot do here (packing rows with images, sequence parallelism, a method other
+    than SFT), and vision keys written for a model that takes no images. `takes_images`: from the model's config
+    (None: not known before launch, the worker checks it once the model loads)."""
+    if takes_images is None:
+        return
+    if takes_images:
+        if config.packing:
+            raise ConfigError("packing: rows with images are not packed (an image's tokens and its pixels would have "
+                              "to move together); set packing: false")
+        if config.sequence_parallel_size > 1:
+            raise ConfigError("sequence_parallel_size: a row's image tokens cannot be split over ranks; set it to 1")
+        if config.method != "sft":
+            raise ConfigError(f"method: {config.method}: {config.model_name} takes images, which only method: sft "
+                              "trains so far; use method: sft")
+        return
+    written = config.vision_keys_written()
+    if written:
+        raise ConfigError(f"{written[0]}: {config.model_name} is a text-only model (its config names no vision "
+                          f"tower); remove {', '.join(written)}")

@@ -49,6 +49,10 @@ class VisionKeys(BaseModel):
         if self.freeze_vision_tower and self.freeze_multi_modal_projector and self.freeze_language_model:
             raise ValueError("freeze_language_model: with freeze_vision_tower and freeze_multi_modal_projector, "
                              "nothing is left to train; unfreeze one of them")
+        if (getattr(self, "finetune_type", "lora") in ("lora", "qlora") and self.freeze_vision_tower
+                and self.freeze_language_model):
+            raise ValueError("freeze_language_model: LoRA then adapts nothing (the vision tower is frozen too); "
+                             "unfreeze one, or train the projector alone with finetune_type: full")
         if self.image_max_pixels and self.image_min_pixels and self.image_min_pixels > self.image_max_pixels:
             raise ValueError(f"image_min_pixels: {self.image_min_pixels} is more than image_max_pixels: "
                              f"{self.image_max_pixels}")

@@ -15,7 +15,7 @@ from typing import Any
 from .config import ConfigError, TrainConfig
 from .errors import first_line
 from .data import ensure_chat_template, load_tokenizer
-from .data.vision_processor import is_vision_checkpoint
+from .data.vision_processor import declares_images, is_vision_checkpoint
 from .distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
     """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
     if config.use_unsloth is False:
         return Backend("transformers", reason="use_unsloth: false")
-    if is_vision_checkpoint(config):
+    if declares_images(config):
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true: vision-language models are trained with transformers + peft here; "
                               "set use_unsloth: auto or false")

@@ -8,8 +8,11 @@ from typing import Optional
 import typer
 import yaml
 
-from ..checks import device_map_rule, final_model_dir_rule, reentrant_rule, resume_rule, sequence_parallel_rule
+from ..checks import (
+    device_map_rule, final_model_dir_rule, reentrant_rule, resume_rule, sequence_parallel_rule, vision_rule,
+)
 from ..config import load_config
+from ..data.vision_processor import declares_images
 from ..errors import first_line
 from ..launcher.prelaunch import (
     check_accelerate_config, check_hub_access, check_local_inputs, check_trackers, local_model_config,
@@ -30,6 +33,7 @@ def check_before_launch(config, num_processes: int) -> str:
     if config.sequence_parallel_size > 1:
         sequence_parallel_rule(config, num_processes, local_model_config(config))
     final_model_dir_rule(config)
+    vision_rule(config, declares_images(config))
     return describe_start(config, num_processes)
 
 

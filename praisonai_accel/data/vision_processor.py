@@ -38,6 +38,28 @@ def is_vision_checkpoint(config) -> bool:
     return _vision_checkpoint(config.model_name, config.revision, config.trust_remote_code)
 
 
+def declares_images(config) -> bool | None:
+    """Whether the checkpoint's config.json names a vision tower, read from the file (a local folder, or the Hub
+    cache) without importing transformers (unsloth must be imported first); None when the file is not here."""
+    import json
+    from pathlib import Path
+
+    folder = Path(config.model_name).expanduser()
+    path = folder / "config.json" if folder.is_dir() else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(config.model_name, "config.json", revision=config.revision)
+        except Exception:  # not a repo id
+            return None
+        path = Path(cached) if isinstance(cached, str) else None
+    try:
+        return isinstance(json.loads(path.read_text()).get("vision_config"), dict) if path else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_processor(config):
     """The checkpoint's AutoProcessor, with image_max_pixels / image_min_pixels set where its image processor takes
     a pixel budget (one line where it takes none)."""

@@ -1,0 +1,220 @@
+"""Images + text, in process: the vision keys, rows with images (bad ones named by number), the ids and labels of
+every architecture we can build against its own processor's output, what the cache keeps, and what trains.
+
+Tiny random-weight LLaVA, Gemma 3 and Idefics3 (demo_vision.make_tiny_vlm; Qwen2-VL where torchvision is installed)
+with their real processors; LLaMA-Factory's mllm_demo.json with its real JPEGs (../shared/fixtures/llamafactory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from praisonai_accel.checks import vision_rule
+from praisonai_accel.config import ConfigError, parse_config
+from praisonai_accel.data import IGNORE_INDEX, DataError, load_tokenizer, tokenize_dataset
+from praisonai_accel.data.images import decode_references
+from praisonai_accel.data.vision_processor import is_vision_config
+from praisonai_accel.demo_vision import KINDS, make_tiny_vlm, shape_records, trl_rows, unbuildable_reason
+from praisonai_accel.methods.sft import SFT
+
+FIXTURES = REPO.parent / "shared" / "fixtures" / "llamafactory"
+MLLM_DEMO = FIXTURES / "mllm_demo.json"
+
+
+@pytest.fixture(scope="session")
+def tiny_vlms(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlms")
+    return {kind: make_tiny_vlm(kind, root / kind) for kind in KINDS if unbuildable_reason(kind) is None}
+
+
+def _vlm(tiny_vlms, kind: str) -> Path:
+    if kind not in tiny_vlms:
+        pytest.skip(f"tiny {kind}: {unbuildable_reason(kind)}")
+    return tiny_vlms[kind]
+
+
+def _config(model: Path, data: Path, tmp_path: Path, **overrides):
+    return parse_config({"model_name": str(model), "dataset": [{"name": str(data)}],
+                         "output_dir": str(tmp_path / "out"), **overrides})
+
+
+def _encoded(config):
+    tokenizer = load_tokenizer(config)
+    method = SFT(config)
+    data, stats, skipped = tokenize_dataset(config.dataset, tokenizer, config, method.data(tokenizer))
+    return tokenizer, method, data, stats, skipped
+
+
+def test_vision_keys_take_praisonai_trains_names_and_refuse_contradictions(tiny_model):
+    base = {"model_name": "m", "dataset": "d.jsonl"}
+    config = parse_config({**base, "finetune_vision_layers": True, "finetune_language_layers": True})
+    assert (config.freeze_vision_tower, config.freeze_language_model, config.freeze_multi_modal_projector) == \
+        (False, False, False)
+    with pytest.raises(ConfigError, match=r"^config: finetune_vision_layers: true contradicts freeze_vision_tower: "
+                                          r"true \(the same switch, inverted\); keep one of them$"):
+        parse_config({**base, "finetune_vision_layers": True, "freeze_vision_tower": True})
+    with pytest.raises(ConfigError, match="LoRA then adapts nothing"):
+        parse_config({**base, "freeze_language_model": True})
+    # a text-only model refuses vision keys; a vision model refuses packing and other methods
+    text_only = parse_config({**base, "model_name": str(tiny_model), "image_max_pixels": 1024})
+    with pytest.raises(ConfigError, match=r"^image_max_pixels: .* is a text-only model .*; remove image_max_pixels$"):
+        vision_rule(text_only, False)
+    vision_rule(parse_config(base), False)  # defaults are not "written"
+    with pytest.raises(ConfigError, match="^packing: rows with images are not packed"):
+        vision_rule(parse_config({**base, "packing": True}), True)
+    with pytest.raises(ConfigError, match="^method: dpo: m takes images, which only method: sft trains"):
+        vision_rule(parse_config({**base, "method": "dpo"}), True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ids_and_labels_are_the_processors_own_with_images_and_prompts_untrained(tiny_vlms, kind, tmp_path):
+    """LLaMA-Factory's mllm_demo (two images in one row, several turns, Chinese): the ids the collator feeds the
+    model are processor.apply_chat_template + processor(text, images); pixel values and token type ids too; the
+    trained tokens are the replies, never an image token or a prompt."""
+    if not MLLM_DEMO.is_file():
+        pytest.skip("../shared/fixtures/llamafactory is absent")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    model = _vlm(tiny_vlms, kind)
+    config = _config(model, MLLM_DEMO, tmp_path, max_seq_length=4096)
+    tokenizer, method, data, stats, _ = _encoded(config)
+    assert stats.datasets[0].examples == 6
+    processor = AutoProcessor.from_pretrained(model)
+    collate = method.collator(tokenizer.pad_token_id)
+    rows = json.loads(MLLM_DEMO.read_text())
+    for index, row in enumerate(rows):
+        messages = [{"role": m["role"], "content": [
+            part for i, piece in enumerate(m["content"].split("<image>"))
+            for part in ([{"type": "image"}] if i else []) + ([{"type": "text", "text": piece}] if piece else [])]}
+            for m in row["messages"]]
+        text = processor.apply_chat_template(messages, tokenize=False)
+        images = [Image.open(FIXTURES / path).convert("RGB") for path in row["images"]]
+        expected = processor(text=[text], images=[images], return_tensors="pt")
+        example = data[index]
+        assert decode_references(example["images"]) == [str(FIXTURES / p) for p in row["images"]]
+        batch = collate([example])
+        assert batch["input_ids"][0].tolist() == expected["input_ids"][0].tolist(), index
+        for key in expected:
+            if key not in ("input_ids", "attention_mask"):
+                assert torch.equal(batch[key], expected[key]), (index, key)
+        labels = batch["labels"][0]
+        image_ids = torch.tensor(sorted({processor.image_token_id, *processor.image_token_ids}))
+        assert (labels[torch.isin(batch["input_ids"][0], image_ids)] == IGNORE_INDEX).all()
+        trained = tokenizer.decode(labels[labels != IGNORE_INDEX])
+        for message in row["messages"]:
+            content = message["content"].replace("<image>", "")
+            assert (content in trained) == (message["role"] == "assistant"), (index, trained)
+
+
+def test_bad_rows_are_named_by_number_and_can_be_skipped(tiny_vlms, tmp_path):
+    model = _vlm(tiny_vlms, "llava")
+    records = shape_records(2, 0, tmp_path / "img")
+    rows = trl_rows(records)
+    (tmp_path / "img" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
+    lf_row = {"messages": [{"role": "user", "content": "<image><image>two?"}, {"role": "assistant", "content": "no"}],
+              "images": [records[0]["image"]]}
+    bad = [
+        {**rows[0], "images": ["img/nowhere.png"]},
+        {**rows[0], "images": ["https://example.com/a.png"]},
+        lf_row,
+        {**rows[0], "images": ["img/broken.png"]},
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows + bad))
+    with pytest.raises(DataError) as error:
+        _encoded(_config(model, data, tmp_path))
+    line = str(error.value)
+    assert "\n" not in line
+    assert line.startswith(f"dataset {data} (format messages): line 3: image 1 ({tmp_path}/img/nowhere.png) does not "
+                           "exist; line 4: image 1 is a URL (https://example.com/a.png); training reads images offline")
+    assert "line 5: 2 image placeholders" in line and "4 invalid rows in all" in line
+    _, _, encoded, stats, skipped = _encoded(_config(model, data, tmp_path, skip_invalid_rows=True))
+    assert len(encoded) == 2
+    assert [(r.where, r.reason.kind) for r in skipped] == [
+        ("line 3", "missing image"), ("line 4", "image is a URL"), ("line 5", "image count mismatch"),
+        ("line 6", "unreadable image")]
+
+
+def test_the_cache_keeps_ids_and_image_paths_and_too_long_rows_are_left_out_whole(tiny_vlms, tmp_path):
+    model = _vlm(tiny_vlms, "llava")
+    rows = trl_rows(shape_records(3, 0, tmp_path / "img"))
+    rows[0]["messages"][0]["content"][1]["text"] += " answer in one word, please"
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer, _, encoded, _, _ = _encoded(_config(model, data, tmp_path))
+    assert set(encoded.columns) == {"input_ids", "labels", "images"}  # no pixels
+    lengths = encoded.lengths
+    assert all(length > 16 for length in lengths)  # an image is 16 tokens here: lengths count them
+    short = max(lengths) - 1
+    _, _, kept, stats, skipped = _encoded(_config(model, data, tmp_path, max_seq_length=short, skip_invalid_rows=True,
+                                                  excess_length_strategy="truncate"))
+    assert len(kept) == sum(length <= short for length in lengths)
+    assert stats.datasets[0].dropped == len(lengths) - len(kept)
+    assert "a row's images are never cut" in str(skipped[0].reason)
+
+
+def _loaded(model: Path, tmp_path: Path, **overrides):
+    from praisonai_accel.distributed import DistEnv
+    from praisonai_accel.model import Backend, load_model_and_tokenizer
+
+    records = shape_records(2, 0, tmp_path / "img")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in trl_rows(records)))
+    config = _config(model, data, tmp_path, **overrides)
+    causal_lm, tokenizer = load_model_and_tokenizer(config, DistEnv.from_environ(), Backend("transformers"), False,
+                                                    False)
+    return config, causal_lm, tokenizer
+
+
+@pytest.mark.parametrize("kind", ["llava", "gemma3", "idefics3"])
+def test_frozen_parts_get_no_gradient_and_do_not_change(tiny_vlms, kind, tmp_path):
+    """Defaults (LoRA): the vision tower frozen and without LoRA, the projector trained whole, LoRA on the language
+    model; one optimizer step changes only those."""
+    from praisonai_accel.vision_model import part_of
+
+    config, causal_lm, tokenizer = _loaded(_vlm(tiny_vlms, kind), tmp_path)
+    assert is_vision_config(causal_lm.config)
+    trainable = {name for name, p in causal_lm.named_parameters() if p.requires_grad}
+    assert {part_of(name) for name in trainable} == {"projector", "language"}
+    assert all("lora_" in n for n in trainable if part_of(n) == "language")
+    assert not any("lora_" in name for name, _ in causal_lm.named_parameters() if part_of(name) == "vision")
+    method = SFT(config)
+    data, _, _ = tokenize_dataset(config.dataset, tokenizer, config, method.data(tokenizer))
+    batch = method.collator(tokenizer.pad_token_id)([data[0], data[1]])
+    module = method.loss_module(causal_lm, accelerator=_NoAccelerator(), tokenizer=tokenizer, use_cuda=False)
+    before = {name: p.detach().clone() for name, p in causal_lm.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in causal_lm.parameters() if p.requires_grad], lr=1.0)
+    loss, _ = method.forward(module, batch)
+    loss.backward()
+    for name, p in causal_lm.named_parameters():
+        assert (p.grad is not None) == (name in trainable), name
+    optimizer.step()
+    changed = {name for name, p in causal_lm.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and changed <= trainable
+    assert any(part_of(n) == "projector" for n in changed) and any("lora_B" in n for n in changed)
+
+
+def test_unfreezing_the_vision_tower_puts_lora_there_and_full_fine_tuning_honours_freezing(tiny_vlms, tmp_path):
+    from praisonai_accel.vision_model import part_of
+
+    model = _vlm(tiny_vlms, "llava")
+    _, lora, _ = _loaded(model, tmp_path, finetune_vision_layers=True, freeze_multi_modal_projector=True)
+    parts = {part_of(n) for n, p in lora.named_parameters() if p.requires_grad}
+    assert parts == {"vision", "language"}
+    _, full, _ = _loaded(model, tmp_path, finetune_type="full", freeze_language_model=True)
+    assert {part_of(n) for n, p in full.named_parameters() if p.requires_grad} == {"projector"}
+
+
+class _NoAccelerator:
+    """What settle_chunking reads of an Accelerator, for one process."""
+
+    device = torch.device("cpu")
+
+    class distributed_type:  # noqa: N801
+        name = "NO"

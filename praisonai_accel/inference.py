@@ -1,4 +1,5 @@
-"""Load a trained adapter (or a full model) for inference, and generate replies."""
+"""Load a trained adapter (or a full model) for inference, and generate replies; a vision-language model loads with
+its processor, and the images of a prompt go through it."""
 
 from __future__ import annotations
 
@@ -33,13 +34,53 @@ def base_model_of(adapter_dir: Path) -> str:
     return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
+def model_config_of(model_dir: Path, trust_remote_code: bool = False):
+    """The model's config: the directory's own, or an adapter's base model's (at the revision it trained on)."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    if (model_dir / "adapter_config.json").is_file():
+        revision = (read_marker(model_dir) or {}).get("revision")
+        return AutoConfig.from_pretrained(base_model_of(model_dir), revision=revision, trust_remote_code=trust_remote_code)
+    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+
+
+def is_processor(tokenizer) -> bool:
+    """What load_for_inference returns for a vision-language model: its processor, which holds the tokenizer."""
+    return getattr(tokenizer, "image_processor", None) is not None and hasattr(tokenizer, "tokenizer")
+
+
+def _holds_processor(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in ("preprocessor_config.json", "processor_config.json"))
+
+
+def _vision_processor(model_dir: Path, adapter: bool, revision: str | None, trust_remote_code: bool):
+    """The processor of a vision-language model: the directory's own, or an adapter's base model's; None when
+    neither has one (a multimodal model trained on text and saved with its tokenizer alone)."""
+    from transformers import AutoProcessor
+
+    sources = [(model_dir, None)] + ([(base_model_of(model_dir), revision)] if adapter else [])
+    for source, source_revision in sources:
+        if Path(source).is_dir() and not _holds_processor(Path(source)):
+            continue
+        processor = AutoProcessor.from_pretrained(str(source), revision=source_revision,
+                                                  trust_remote_code=trust_remote_code)
+        if is_processor(processor):
+            return processor
+    return None
+
+
 def load_for_inference(path: Path, device: str | None = None, trust_remote_code: bool = False):
-    """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter.
+    """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter. For a vision-language model
+    the second is its processor (AutoProcessor: image processor, tokenizer, chat template), the directory's own or,
+    for an adapter saved without one, its base model's.
 
     trust_remote_code comes from the caller (the run's config, or --trust-remote-code), never from a file in the
     model directory; the revision the run trained on does come from ours (it picks a commit, it runs nothing)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data.vision_processor import is_vision_config
 
     model_dir = resolve_model_dir(path)
     facts = read_marker(model_dir) or {}
@@ -47,43 +88,117 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
         raise ModelDirError(f"{model_dir}: was trained with trust_remote_code: true; pass --trust-remote-code to run "
                             "the model's own code")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    if (model_dir / "adapter_config.json").is_file():
+    adapter = (model_dir / "adapter_config.json").is_file()
+    processor = None
+    if is_vision_config(model_config_of(model_dir, trust_remote_code)):
+        processor = _vision_processor(model_dir, adapter, facts.get("revision"), trust_remote_code)
+    if processor is not None:
+        from transformers import AutoModelForImageTextToText
+
+        model_class, tokenizer = AutoModelForImageTextToText, processor
+    else:  # a text model, or a multimodal one trained on text and saved with its tokenizer alone
+        model_class = AutoModelForCausalLM
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if adapter:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(base_model_of(model_dir), dtype="auto", revision=facts.get("revision"),
-                                                    trust_remote_code=trust_remote_code)
+        base = model_class.from_pretrained(base_model_of(model_dir), dtype="auto", revision=facts.get("revision"),
+                                           trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(base, str(model_dir))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", trust_remote_code=trust_remote_code)
+        model = model_class.from_pretrained(str(model_dir), dtype="auto", trust_remote_code=trust_remote_code)
     model.to(device).eval()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    text = tokenizer.tokenizer if processor is not None else tokenizer
+    if text.pad_token is None:
+        text.pad_token = text.eos_token
     return model, tokenizer
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Where generation stops: the model's own generation_config eos ids, the tokenizer's eos, and the template's
     end-of-turn token. Qwen2.5 and Llama 3.x end a turn with <|im_end|> / <|eot_id|>, which for some checkpoints is
-    not the tokenizer's eos; stopping on eos alone runs on into invented turns."""
+    not the tokenizer's eos; stopping on eos alone runs on into invented turns. `tokenizer` may be a processor."""
     from .data import end_of_turn_token
 
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    if is_processor(tokenizer):
+        turn_end = _vision_turn_end(tokenizer)
+        tokenizer = tokenizer.tokenizer
+    else:
+        turn_end = end_of_turn_token(tokenizer)
     ids.append(tokenizer.eos_token_id)
-    turn_end = end_of_turn_token(tokenizer)
     if turn_end is not None:
         ids.append(tokenizer.convert_tokens_to_ids(turn_end))
     return list(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
 
 
-def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0) -> str:
+def _vision_turn_end(processor) -> str | None:
+    """end_of_turn_token for a processor's template, which reads typed content parts (<end_of_utterance>, ...)."""
+    from .data.chat_masking import special_strings
+
+    marker = "praisonai-accel-reply"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": marker}]}]
+    try:
+        text = processor.apply_chat_template(messages, tokenize=False)
+    except Exception:  # a template that cannot render this; generation then stops on eos alone
+        return None
+    if marker not in text:
+        return None
+    after = text[text.rindex(marker) + len(marker):].lstrip()
+    return next((token for token in special_strings(processor.tokenizer) if after.startswith(token)), None)
+
+
+def vision_messages(messages: list[dict], images: int) -> list[dict]:
+    """Messages as a processor's chat template reads them: typed content parts, with `images` image parts before the
+    text of the first user turn (as TRL's vision format places them)."""
+    out, placed = [], False
+    for message in messages:
+        parts = [{"type": "text", "text": message["content"]}] if isinstance(message["content"], str) else list(message["content"])
+        if message["role"] == "user" and not placed:
+            parts = [{"type": "image"} for _ in range(images)] + parts
+            placed = True
+        out.append({"role": message["role"], "content": parts})
+    return out
+
+
+def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
+             images: list | None = None) -> str:
+    """The reply to `messages`; `images` (PIL images) go with the first user turn, through the processor that
+    load_for_inference returned for a vision-language model."""
     import torch
 
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    if is_processor(tokenizer):
+        prompt = tokenizer.apply_chat_template(vision_messages(messages, len(images or [])), tokenize=False,
+                                               add_generation_prompt=True)
+        inputs = tokenizer(text=[prompt], images=[list(images)] if images else None, return_tensors="pt",
+                           add_special_tokens=False)
+        text_tokenizer = tokenizer.tokenizer
+    else:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+        text_tokenizer = tokenizer
+    # a processor's pixel values come as float32; they go in the model's dtype (to() casts only floating tensors)
+    inputs = inputs.to(model.device, dtype=model.dtype) if is_processor(tokenizer) else inputs.to(model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=text_tokenizer.pad_token_id,
                                 eos_token_id=stop_token_ids(model, tokenizer), **sampling)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return text_tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def read_image(path: Path):
+    """The image file as an RGB PIL image, or a ValueError naming the file and why it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such image file")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except UnidentifiedImageError:
+        raise ValueError(f"{path}: is not an image file PIL can read") from None
+    except OSError as exc:  # truncated or corrupt
+        raise ValueError(f"{path}: cannot read the image: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

@@ -13,14 +13,34 @@ from ..logs import show_progress_lines
 from ._common import fail
 
 
-def _load(path: Path, trust_remote_code: bool):
-    from ..inference import ModelDirError, load_for_inference
+def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]] = None):
+    """(model, tokenizer or processor, images): every --image read and the model checked to take images before it
+    loads, each failure in one line."""
+    from ..data.vision_processor import is_vision_config
+    from ..inference import ModelDirError, is_processor, load_for_inference, model_config_of, read_image, resolve_model_dir
 
     show_progress_lines()
     try:
-        return load_for_inference(path, trust_remote_code=trust_remote_code)
+        images = [read_image(p) for p in image_paths or []]
+    except ValueError as exc:
+        fail(f"--image {first_line(exc)}")
+    try:
+        if images:
+            model_dir = resolve_model_dir(path)
+            config = model_config_of(model_dir, trust_remote_code)
+            if not is_vision_config(config):
+                fail(f"--image: {model_dir} holds a text-only model ({config.model_type}); images need a "
+                     "vision-language model")
+        model, tokenizer = load_for_inference(path, trust_remote_code=trust_remote_code)
     except (ModelDirError, OSError, ValueError) as exc:
         fail(first_line(exc))
+    if images and not is_processor(tokenizer):
+        fail(f"--image: {path} was saved without its processor (no preprocessor_config.json here or in its base "
+             "model), so images cannot reach it")
+    return model, tokenizer, images
+
+
+_IMAGE_HELP = "an image file for the first message (a vision-language model); repeat for several"
 
 
 def chat_command(
@@ -29,11 +49,12 @@ def chat_command(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
+    image: Optional[List[Path]] = typer.Option(None, "--image", help=_IMAGE_HELP),
 ) -> None:
     """Chat with the model on stdin (one message per line; empty line or EOF ends)."""
     from ..inference import generate
 
-    model, tokenizer = _load(path, trust_remote_code)
+    model, tokenizer, images = _load(path, trust_remote_code, image)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -43,7 +64,7 @@ def chat_command(
         if not line or not line.strip() or line.strip() in ("exit", "quit"):
             break
         messages.append({"role": "user", "content": line.strip()})
-        reply = generate(model, tokenizer, messages, max_new_tokens, temperature)
+        reply = generate(model, tokenizer, messages, max_new_tokens, temperature, images=images)
         messages.append({"role": "assistant", "content": reply})
         typer.echo(f"model> {reply}" if interactive else reply)
 
@@ -55,11 +76,12 @@ def generate_command(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
+    image: Optional[List[Path]] = typer.Option(None, "--image", help="an image file each prompt is about (a vision-language model); repeat for several"),
 ) -> None:
     """Answer each --prompt once, one reply per line."""
     from ..inference import generate
 
-    model, tokenizer = _load(path, trust_remote_code)
+    model, tokenizer, images = _load(path, trust_remote_code, image)
     for text in prompt:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        typer.echo(generate(model, tokenizer, messages, max_new_tokens, temperature).replace("\n", " "))
+        typer.echo(generate(model, tokenizer, messages, max_new_tokens, temperature, images=images).replace("\n", " "))

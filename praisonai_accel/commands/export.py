@@ -59,8 +59,9 @@ def gguf_command(
 
 def check_gguf_before_training(config) -> None:
     """save_gguf / huggingface_save_gguf / ollama_save need llama.cpp's converter, the engine, a known architecture
-    and a token: refused with one line before launch, not after training."""
-    if not (config.save_gguf or config.huggingface_save_gguf or config.ollama_save):
+    and a token; none of them, nor ollama_model, takes a vision-language model: refused with one line before launch,
+    not after training."""
+    if not (config.save_gguf or config.huggingface_save_gguf or config.ollama_save or config.ollama_model):
         return
     from ..publish.gguf import GGUFError, check_before_training
 

@@ -26,12 +26,14 @@ def ollama_command(
     """Write a Modelfile next to the model and create it on the Ollama server."""
     from ..errors import first_line
     from ..inference import resolve_model_dir
-    from ..publish.ollama import publish
+    from ..publish.ollama import OllamaRefused, publish
 
     show_progress_lines()
     try:
         model_dir = resolve_model_dir(path)
         modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host, trust_remote_code=trust_remote_code)
+    except OllamaRefused as exc:
+        fail(str(exc))
     except Exception as exc:  # connection refused, server errors, missing files: one line, never a traceback
         fail(f"ollama: {type(exc).__name__}: {first_line(exc, '')}".rstrip(": "))
     typer.echo(f"created Ollama model {name} (Modelfile: {modelfile})")

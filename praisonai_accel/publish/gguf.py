@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
-from .gguf_llamacpp import GGUFError, check_engine, converter_architectures, find_converter
+from .gguf_llamacpp import GGUFError, check_engine, converter_architectures, find_converter, vision_refusal
 from .gguf_vocab import stage_for_converter
 
 log = logging.getLogger("praisonai_accel")
@@ -100,7 +100,11 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
     if facts.get("trust_remote_code") and not trust_remote_code:
         raise GGUFError(f"{source}: was trained with trust_remote_code: true; pass --trust-remote-code to run the model's "
                         "own code")
-    architecture = (_config_of(source, adapter, facts.get("revision"), trust_remote_code).get("architectures") or ["unknown"])[0]
+    model_config = _config_of(source, adapter, facts.get("revision"), trust_remote_code)
+    refused = vision_refusal("gguf export", model_config)
+    if refused:
+        raise GGUFError(refused)
+    architecture = (model_config.get("architectures") or ["unknown"])[0]
     if dequantize_base is None:
         dequantize_base = adapter and trained_with_qlora(source)
     dequantize_base = bool(dequantize_base and adapter)
@@ -329,16 +333,24 @@ def wanted(config: TrainConfig) -> bool:
 
 
 def check_before_training(config: TrainConfig) -> None:
-    """What after_training will need, checked before launch: GGUFError with one line, nothing trained yet."""
-    if not wanted(config):
+    """What after_training will need, checked before launch: GGUFError with one line, nothing trained yet. A
+    vision-language model is refused any GGUF or Ollama publishing (ollama_model too: the safetensors route)."""
+    if not (wanted(config) or config.ollama_model):
         return
     try:
         from transformers import AutoConfig
 
-        architecture = (AutoConfig.from_pretrained(config.model_name, revision=config.revision,
-                                                   trust_remote_code=config.trust_remote_code).architectures or [None])[0]
+        model_config = AutoConfig.from_pretrained(config.model_name, revision=config.revision,
+                                                  trust_remote_code=config.trust_remote_code)
     except Exception:  # training reports an unreadable model itself
-        architecture = None
+        model_config = None
+    key = next(k for k in ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model") if getattr(config, k))
+    refused = vision_refusal(key, model_config)
+    if refused:
+        raise GGUFError(refused)
+    if not wanted(config):
+        return
+    architecture = (getattr(model_config, "architectures", None) or [None])[0]
     check_toolchain(config.quantization_method, architecture, config.finetune_type == "qlora", config.output_path() / "gguf")
     if config.huggingface_save_gguf:
         from .hub import hub_token

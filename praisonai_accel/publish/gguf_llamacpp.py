@@ -1,4 +1,5 @@
-"""llama.cpp's converter and engine, found before anything heavy starts (used by publish/gguf.py only).
+"""llama.cpp's converter and engine, found before anything heavy starts (used by publish/gguf.py only), and what our
+GGUF / Ollama path cannot take: a vision-language model (publish/ollama.py asks too).
 
 The converter (convert_hf_to_gguf.py with its conversion/ package and gguf-py) ships in llama-cpp-python's source
 distribution, not in its wheel. It is found, in order: at $LLAMA_CPP_CONVERTER (a llama.cpp checkout, its
@@ -138,3 +139,23 @@ def check_engine() -> None:
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["not installed"])[-1]
         raise GGUFError(f"GGUF quantization needs llama-cpp-python, which cannot be imported ({tail}); {INSTALL_HINT}")
+
+
+TEXT_ONLY = ("our GGUF / Ollama path is text-only: it converts the language model alone, without the vision tower "
+             "and projector (llama.cpp and Ollama keep those in a projector file of their own, which it does not "
+             "write), so images could not reach the model")
+
+
+def vision_refusal(what: str, model_config) -> str | None:
+    """One line when `what` would publish a vision-language model through the text-only GGUF / Ollama path (a config
+    object or its dict); None for a text model."""
+    from types import SimpleNamespace
+
+    from ..data.vision_processor import is_vision_config
+
+    if isinstance(model_config, dict):
+        model_config = SimpleNamespace(**model_config)
+    if model_config is None or not is_vision_config(model_config):
+        return None
+    return (f"{what}: this is a vision-language model ({model_config.model_type}), and {TEXT_ONLY}; use its "
+            "safetensors with transformers (praisonai-accel chat --image) or a vision-aware converter")

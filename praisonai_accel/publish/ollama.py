@@ -25,6 +25,10 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 ADAPTER_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM"}
 
 
+class OllamaRefused(Exception):
+    """A model this Ollama path cannot publish, phrased as one line (before anything is uploaded)."""
+
+
 @dataclass
 class OllamaRecipe:
     template: str | None  # None: no TEMPLATE, Ollama detects it from the model's chat template
@@ -91,7 +95,13 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
     """How to build the Ollama model from a trained adapter dir (FROM base + ADAPTER) or a merged model dir."""
     from transformers import AutoTokenizer
 
+    from ..inference import model_config_of
+    from .gguf_llamacpp import vision_refusal
+
     source = Path(adapter_or_model)
+    refused = vision_refusal("ollama", model_config_of(source, trust_remote_code))
+    if refused:
+        raise OllamaRefused(refused)
     tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
     template = go_template(tokenizer)
     stops = stop_tokens(tokenizer, template if template is not None else str(tokenizer.chat_template or ""))

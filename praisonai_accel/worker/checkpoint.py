@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from ..data.processor_files import save_processing
 from . import checkpoint_manifest as manifest
 from .sharded_state import load_sharded_state, reshard, save_sharded_state
 
@@ -357,7 +358,7 @@ def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_
         causal_lm, state_dict = trained_model_and_state(accelerator, model, trainable_only=True)
         if accelerator.is_main_process:
             causal_lm.save_pretrained(tmp / "adapter", state_dict=state_dict)
-            tokenizer.save_pretrained(tmp / "adapter")
+            save_processing(tokenizer, tmp / "adapter")  # a vision-language model's processor with it
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_scheduler(scheduler, tmp)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..atomic import write_json_atomic
 from ..config import ConfigError, TrainConfig
+from ..data.processor_files import save_processing
 from ..output_dirs import NotOurs, replace_with
 from . import checkpoint as ckpt
 from .metrics import read_metrics
@@ -18,9 +19,11 @@ from .metrics import read_metrics
 log = logging.getLogger("praisonai_accel")
 
 
-def save_final_model(accelerator, model, tokenizer, config: TrainConfig, card: str | None = None) -> None:
+def save_final_model(accelerator, model, tokenizer, config: TrainConfig, card: str | None = None,
+                     processor=None) -> None:
     """Rank 0 writes the adapter (or full model), tokenizer and model card; the directory appears complete or not at
-    all, and replaces only an earlier final model of ours (checked before launch, and again here)."""
+    all, and replaces only an earlier final model of ours (checked before launch, and again here). A vision-language
+    model's processor (`processor`, else the one its tokenizer carries) is saved whole, with the tokenizer."""
     import os
 
     target = config.final_model_path()
@@ -30,7 +33,7 @@ def save_final_model(accelerator, model, tokenizer, config: TrainConfig, card: s
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         causal_lm.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_processing(tokenizer, tmp, processor)
         if card is not None:
             (tmp / "README.md").write_text(card)
         try:

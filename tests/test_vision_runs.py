@@ -83,3 +83,27 @@ def test_a_vision_key_on_a_text_model_is_refused_before_launch(tmp_path, tiny_mo
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: freeze_vision_tower: {tiny_model} is a text-only model (its config names "
                                      "no vision tower); remove freeze_vision_tower")
+
+
+def test_fsdp2_full_fine_tuning_shards_every_part_and_leaves_the_frozen_tower_as_it_was(tmp_path, llava_and_shapes):
+    """--fsdp on 2 processes: the vision blocks are units of their own (LLaVA's _no_split_modules names
+    CLIPEncoderLayer), the head is gathered with the language model's final norm for the chunked loss; the saved
+    model's vision tower is the base model's, bit for bit, and the projector and language model moved."""
+    from safetensors.torch import load_file
+
+    model, _ = llava_and_shapes
+    config = _config(tmp_path, llava_and_shapes, finetune_type="full", final_model_dir="model", max_steps=3,
+                     learning_rate=1e-3)
+    result = cli("train", str(config), *TWO, "--fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LM head at target positions only, chunked" in result.stderr
+    summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
+    assert summary["distributed_type"] == "FSDP" and summary["weights_in_sync"]
+    base = load_file(str(model / "model.safetensors"))
+    total = sum(t.numel() * 4 for t in base.values())
+    assert all(0.4 * total <= b <= 0.6 * total for b in summary["parameter_bytes_per_rank"])
+    trained = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
+    assert trained.keys() == base.keys()
+    moved = {k.split(".")[0] for k in base if not base[k].equal(trained[k])}  # llava's saved names
+    assert moved == {"multi_modal_projector", "language_model"}, moved
+    assert (tmp_path / "out" / "model" / "processor_config.json").is_file()

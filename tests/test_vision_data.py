@@ -62,7 +62,7 @@ def test_vision_keys_take_praisonai_trains_names_and_refuse_contradictions(tiny_
         parse_config({**base, "freeze_language_model": True})
     # a text-only model refuses vision keys; a vision model refuses packing and other methods
     text_only = parse_config({**base, "model_name": str(tiny_model), "image_max_pixels": 1024})
-    with pytest.raises(ConfigError, match=r"^image_max_pixels: .* is a text-only model .*; remove image_max_pixels$"):
+    with pytest.raises(ConfigError, match=r"^image_max_pixels: .* takes no images .*; remove image_max_pixels$"):
         vision_rule(text_only, False)
     vision_rule(parse_config(base), False)  # defaults are not "written"
     with pytest.raises(ConfigError, match="^packing: rows with images are not packed"):

@@ -81,8 +81,8 @@ def test_a_vision_key_on_a_text_model_is_refused_before_launch(tmp_path, tiny_mo
     config = write_config(tmp_path, tiny_model, alpaca_file, freeze_vision_tower=False)
     result = cli("train", str(config), "--cpu")
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: freeze_vision_tower: {tiny_model} is a text-only model (its config names "
-                                     "no vision tower); remove freeze_vision_tower")
+    assert result.stderr.strip() == (f"error: freeze_vision_tower: {tiny_model} takes no images (its config names no "
+                                     "vision tower, or no image processor is saved with it); remove freeze_vision_tower")
 
 
 def test_fsdp2_full_fine_tuning_shards_every_part_and_leaves_the_frozen_tower_as_it_was(tmp_path, llava_and_shapes):

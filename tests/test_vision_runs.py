@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from conftest import cli, load_adapter, read_metrics, write_config
+from conftest import REPO, cli, load_adapter, read_metrics, write_config
 from test_checkpoint import TWO, assert_same_run, start, wait_for_step
 from test_training import workers_left
 from praisonai_accel.demo_vision import make_tiny_vlm, shape_records, trl_rows
@@ -107,3 +107,18 @@ def test_fsdp2_full_fine_tuning_shards_every_part_and_leaves_the_frozen_tower_as
     moved = {k.split(".")[0] for k in base if not base[k].equal(trained[k])}  # llava's saved names
     assert moved == {"multi_modal_projector", "language_model"}, moved
     assert (tmp_path / "out" / "model" / "processor_config.json").is_file()
+
+
+def test_preview_shows_where_each_image_goes_and_marks_only_the_replies(tmp_path, llava_and_shapes):
+    demo = REPO.parent / "shared" / "fixtures" / "llamafactory" / "mllm_demo.json"
+    if not demo.is_file():
+        pytest.skip("../shared/fixtures/llamafactory is absent")
+    config = _config(tmp_path, llava_and_shapes, dataset=[{"name": str(demo)}], max_seq_length=4096)
+    result = cli("preview", str(config), "-n", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[:4] == [
+        "--- example 1 of 6: 153 tokens, 73 trained (trained tokens between [[ and ]])",
+        "USER: <image 1: 300x168 -> 16 tokens>",
+        "Who are they? ASSISTANT: [[They're Kane and Gretzka from Bayern Munich. ]]USER: <image 2: 300x168 -> 16 tokens>",
+        "What are they doing? ASSISTANT: [[They are celebrating on the soccer field. ]]"]

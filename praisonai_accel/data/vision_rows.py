@@ -143,3 +143,29 @@ class VisionCollator:
             if name in self.names:
                 batch[name] = torch.tensor(self.processor.create_mm_token_type_ids(batch["input_ids"].tolist()))
         return batch
+
+
+def image_spans(processor, input_ids: list[int], paths: list[str]) -> list[tuple[int, int, str]]:
+    """Where each image of an encoded example is: (start, end, `<image 1: 448x448 -> 256 tokens>`), from its first
+    to its last image token (the tokens between, such as Idefics3's tile markers, with it). For `preview`."""
+    from pathlib import Path
+
+    from .images import image_size
+
+    feature_ids = set(getattr(processor, "image_token_ids", None) or [processor.image_token_id])
+    spans, cursor = [], 0
+    for number, path in enumerate(paths, 1):
+        size = image_size(Path(path), number)
+        if isinstance(size, str):  # gone since preprocessing
+            return spans
+        count = sum(token in feature_ids for token in processor_ids(processor, processor.image_token, [size]))
+        start = next((i for i in range(cursor, len(input_ids)) if input_ids[i] in feature_ids), None)
+        if start is None or not count:
+            return spans
+        seen, end = 0, start
+        while end < len(input_ids) and seen < count:
+            seen += input_ids[end] in feature_ids
+            end += 1
+        spans.append((start, end, f"<image {number}: {size[0]}x{size[1]} -> {count} tokens>"))
+        cursor = end
+    return spans

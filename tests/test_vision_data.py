@@ -218,3 +218,27 @@ class _NoAccelerator:
 
     class distributed_type:  # noqa: N801
         name = "NO"
+
+
+def test_a_datasets_image_feature_is_kept_as_a_file_not_as_pixels(tiny_vlms, tmp_path):
+    """A parquet file (as a Hub dataset is) whose images are an Image feature with the JPEG/PNG bytes embedded,
+    and Arrow-typed messages (every part has every field, "text": None on image parts)."""
+    import datasets
+
+    model = _vlm(tiny_vlms, "idefics3")
+    rows = trl_rows(shape_records(3, 0, tmp_path / "img"))
+    sources = [(tmp_path / r["images"][0]).read_bytes() for r in rows]
+    table = datasets.Dataset.from_dict(
+        {"messages": [r["messages"] for r in rows], "images": [[{"bytes": b, "path": None}] for b in sources]})
+    table = table.cast_column("images", datasets.List(datasets.Image()))
+    table.to_parquet(str(tmp_path / "train.parquet"))
+    for image in (tmp_path / "img").iterdir():
+        image.unlink()  # only the parquet file holds them now
+    tokenizer, method, data, stats, _ = _encoded(_config(model, tmp_path / "train.parquet", tmp_path))
+    assert stats.datasets[0].examples == 3
+    for index, expected in enumerate(sources):
+        paths = decode_references(data[index]["images"])
+        assert len(paths) == 1 and Path(paths[0]).read_bytes() == expected
+        assert Path(paths[0]).parent == tmp_path / "out" / ".cache" / "preprocessed" / "images"
+    batch = method.collator(tokenizer.pad_token_id)([data[0], data[1], data[2]])
+    assert batch["pixel_values"].shape[0] == 3

@@ -12,9 +12,11 @@ A row too long for max_seq_length is left out (an image's tokens are never cut).
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 from ..config import DatasetSpec, TrainConfig
 from ..errors import first_line
+from .cache import cache_dir
 from .chat_masking import IGNORE_INDEX, encode_conversation
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem, to_conversation
@@ -34,6 +36,7 @@ class VisionSFTData(SFTData):
     def __init__(self, tokenizer, config: TrainConfig, plan=None):
         super().__init__(tokenizer, config, plan)
         self.processor = processor_of(tokenizer)
+        self.store = Path(cache_dir(config)) / "images"  # images a dataset embeds (images.stored_image)
 
     def detect_format(self, columns: list[str], spec: DatasetSpec) -> str:
         fmt = super().detect_format(columns, spec)
@@ -48,7 +51,7 @@ class VisionSFTData(SFTData):
             return problem
         key = {"sharegpt": "conversations", "messages": "messages"}.get(fmt)
         turns = row[key] if key else [{"content": str(row.get("instruction", "")) + str(row.get("input") or "")}]
-        return check_images(row, turns, base_folder(spec))
+        return check_images(row, turns, base_folder(spec), self.store)
 
     def encode(self, row: dict, fmt: str, tokenizer=None, config: TrainConfig | None = None,
                spec: DatasetSpec | None = None) -> dict | RowProblem:
@@ -56,7 +59,7 @@ class VisionSFTData(SFTData):
         if fmt == "text":
             return super().encode(row, fmt, tokenizer, config, spec)
         base = base_folder(spec)
-        paths = [image_path(value, number, base) for number, value in enumerate(image_values(row), 1)]
+        paths = [image_path(value, number, base, self.store) for number, value in enumerate(image_values(row), 1)]
         sizes = [image_size(path, number) for number, path in enumerate(paths, 1)]
         problem = next((p for p in paths + sizes if isinstance(p, RowProblem)), None)
         if problem is not None:  # the file changed since check_row read it

@@ -242,3 +242,26 @@ def test_a_datasets_image_feature_is_kept_as_a_file_not_as_pixels(tiny_vlms, tmp
         assert Path(paths[0]).parent == tmp_path / "out" / ".cache" / "preprocessed" / "images"
     batch = method.collator(tokenizer.pad_token_id)([data[0], data[1], data[2]])
     assert batch["pixel_values"].shape[0] == 3
+
+
+def test_image_pixel_budget_reaches_processors_that_take_one_and_is_refused_by_others():
+    """Qwen2-VL's image processor (its PIL backend needs no torchvision) resizes to image_max_pixels; CLIP's
+    (LLaVA's) has no pixel budget: one line."""
+    from PIL import Image
+    from transformers import CLIPImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from praisonai_accel.data.vision_processor import set_pixel_budget
+
+    config = parse_config({"model_name": "m", "dataset": "d.jsonl", "image_max_pixels": 64 * 64,
+                           "image_min_pixels": 32 * 32})
+    image = Image.new("RGB", (400, 300))
+    processor = Qwen2VLImageProcessorPil()
+    before = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].prod().item()
+    set_pixel_budget(processor, config, "m")
+    grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+    assert grid.prod().item() * 14 * 14 <= 64 * 64 < before * 14 * 14
+    assert processor.to_dict()["size"] == {"longest_edge": 4096, "shortest_edge": 1024}  # in the cache key
+    with pytest.raises(ConfigError, match=r"^image_max_pixels: the image processor of m \(CLIPImageProcessorPil\) "
+                                          r"does not resize by a pixel budget; remove it$"):
+        set_pixel_budget(CLIPImageProcessorPil(), config, "m")

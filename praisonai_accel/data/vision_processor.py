@@ -93,19 +93,28 @@ def load_processor(config):
     if image_processor is None:
         raise ConfigError(f"model_name: {name} has no image processor (its AutoProcessor is "
                           f"{type(processor).__name__}); a vision-language model needs one")
-    for key, attribute in (("image_max_pixels", "max_pixels"), ("image_min_pixels", "min_pixels")):
+    set_pixel_budget(image_processor, config, name)
+    return processor
+
+
+def set_pixel_budget(image_processor, config, name: str) -> None:
+    """image_max_pixels / image_min_pixels on an image processor that resizes to a pixel budget (Qwen2-VL's and its
+    kin: min_pixels / max_pixels among its keyword arguments, kept in transformers 5 as size's shortest_edge /
+    longest_edge); one line for one that does not."""
+    takes = set(getattr(getattr(type(image_processor), "valid_kwargs", None), "__annotations__", {}))
+    for key, attribute, edge in (("image_max_pixels", "max_pixels", "longest_edge"),
+                                 ("image_min_pixels", "min_pixels", "shortest_edge")):
         value = getattr(config, key)
         if value is None:
             continue
-        if not hasattr(image_processor, attribute):
+        if attribute not in takes and not hasattr(image_processor, attribute):
             raise ConfigError(f"{key}: the image processor of {name} ({type(image_processor).__name__}) does not "
                               "resize by a pixel budget; remove it")
-        setattr(image_processor, attribute, value)
-        size = getattr(image_processor, "size", None)  # Qwen2-VL reads the budget from size too
-        edge = "longest_edge" if attribute == "max_pixels" else "shortest_edge"
-        if size is not None and hasattr(size, "__contains__") and edge in size:
+        if hasattr(image_processor, attribute):
+            setattr(image_processor, attribute, value)
+        size = getattr(image_processor, "size", None)
+        if isinstance(size, dict) or (size is not None and hasattr(size, "__setitem__")):
             size[edge] = value
-    return processor
 
 
 def tokenizer_of(processor):

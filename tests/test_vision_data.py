@@ -188,6 +188,15 @@ def test_frozen_parts_get_no_gradient_and_do_not_change(tiny_vlms, kind, tmp_pat
     data, _, _ = tokenize_dataset(config.dataset, tokenizer, config, method.data(tokenizer))
     batch = method.collator(tokenizer.pad_token_id)([data[0], data[1]])
     module = method.loss_module(causal_lm, accelerator=_NoAccelerator(), tokenizer=tokenizer, use_cuda=False)
+    assert module.chunked  # the LM head at target positions, over the language model's hidden states
+    with torch.no_grad():
+        chunked = method.forward(module, batch)[0]
+        module.chunked = False
+        full = method.forward(module, batch)[0]  # the model's own logits, the images through its forward
+        module.chunked = True
+        blank = method.forward(module, {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])})[0]
+    assert torch.allclose(chunked, full, rtol=1e-5, atol=1e-5), (chunked, full)
+    assert not torch.allclose(chunked, blank)  # the images reach the model
     before = {name: p.detach().clone() for name, p in causal_lm.named_parameters()}
     optimizer = torch.optim.SGD([p for p in causal_lm.parameters() if p.requires_grad], lr=1.0)
     loss, _ = method.forward(module, batch)

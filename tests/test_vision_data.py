@@ -194,7 +194,7 @@ def test_frozen_parts_get_no_gradient_and_do_not_change(tiny_vlms, kind, tmp_pat
         module.chunked = False
         full = method.forward(module, batch)[0]  # the model's own logits, the images through its forward
         module.chunked = True
-        blank = method.forward(module, {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])})[0]
+        blank = method.forward(module, {**batch, "pixel_values": torch.full_like(batch["pixel_values"], 0.5)})[0]
     assert torch.allclose(chunked, full, rtol=1e-5, atol=1e-5), (chunked, full)
     assert not torch.allclose(chunked, blank)  # the images reach the model
     before = {name: p.detach().clone() for name, p in causal_lm.named_parameters()}

@@ -1,7 +1,7 @@
 """What of a vision-language model trains (data/vision_processor.py says which checkpoints take images).
 
-Such a checkpoint loads with AutoModelForImageTextToText and its AutoProcessor (model.py). Its parts are found by parameter name,
-the way transformers names them: the vision tower (vision_tower, visual, vision_model), the projector between it and
+Such a checkpoint loads with AutoModelForImageTextToText and its AutoProcessor (model.py). Its parts are found by
+parameter name, the way transformers names them: the vision tower (vision_tower, visual, vision_model), the projector between it and
 the language model (multi_modal_projector, connector, Qwen2-VL's visual.merger), and the language model (the rest:
 language_model / text_model, the embeddings and the LM head). The freeze_* keys (config_vision.py) say which train;
 LoRA adapts only the unfrozen tower / language model, and an unfrozen projector is trained whole (peft's

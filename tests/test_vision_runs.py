@@ -81,8 +81,9 @@ def test_a_vision_key_on_a_text_model_is_refused_before_launch(tmp_path, tiny_mo
     config = write_config(tmp_path, tiny_model, alpaca_file, freeze_vision_tower=False)
     result = cli("train", str(config), "--cpu")
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: freeze_vision_tower: {tiny_model} takes no images (its config names no "
-                                     "vision tower, or no image processor is saved with it); remove freeze_vision_tower")
+    assert result.stderr.strip() == (
+        f"error: freeze_vision_tower: {tiny_model} takes no images (its config names no vision tower, or no image "
+        "processor is saved with it); remove freeze_vision_tower")
 
 
 def test_fsdp2_full_fine_tuning_shards_every_part_and_leaves_the_frozen_tower_as_it_was(tmp_path, llava_and_shapes):
@@ -120,5 +121,6 @@ def test_preview_shows_where_each_image_goes_and_marks_only_the_replies(tmp_path
     assert lines[:4] == [
         "--- example 1 of 6: 153 tokens, 73 trained (trained tokens between [[ and ]])",
         "USER: <image 1: 300x168 -> 16 tokens>",
-        "Who are they? ASSISTANT: [[They're Kane and Gretzka from Bayern Munich. ]]USER: <image 2: 300x168 -> 16 tokens>",
+        "Who are they? ASSISTANT: [[They're Kane and Gretzka from Bayern Munich. ]]USER: "
+        "<image 2: 300x168 -> 16 tokens>",
         "What are they doing? ASSISTANT: [[They are celebrating on the soccer field. ]]"]

@@ -161,9 +161,10 @@ def check_images(row: dict, messages: list, base: Path, store: Path | None = Non
     values = image_values(row)
     wanted = placeholder_count(messages)
     if wanted != len(values):
+        plural = "s" if len(values) != 1 else ""
         return RowProblem("image count mismatch",
                           f"{wanted} image placeholder{'s' if wanted != 1 else ''} ({{\"type\": \"image\"}} parts or "
-                          f"{PLACEHOLDER}) but {len(values)} image{'s' if len(values) != 1 else ''} in '{IMAGES_COLUMN}'")
+                          f"{PLACEHOLDER}) but {len(values)} image{plural} in '{IMAGES_COLUMN}'")
     for number, value in enumerate(values, 1):
         path = image_path(value, number, base, store)
         if isinstance(path, RowProblem):

@@ -65,7 +65,8 @@ def _vision_checkpoint(name: str, revision: str | None, trust_remote_code: bool)
     from transformers import AutoConfig, AutoProcessor
 
     try:
-        if not is_vision_config(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)):
+        model_config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        if not is_vision_config(model_config):
             return False
         processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     except Exception:  # not loadable: loading the model says why, in one line

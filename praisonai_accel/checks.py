@@ -94,5 +94,5 @@ def vision_rule(config: TrainConfig, takes_images: bool | None) -> None:
         return
     written = config.vision_keys_written()
     if written:
-        raise ConfigError(f"{written[0]}: {config.model_name} is a text-only model (its config names no vision "
-                          f"tower); remove {', '.join(written)}")
+        raise ConfigError(f"{written[0]}: {config.model_name} takes no images (its config names no vision tower, or "
+                          f"no image processor is saved with it); remove {', '.join(written)}")

@@ -10,10 +10,22 @@ from .data import IGNORE_INDEX
 OPEN, CLOSE = "[[", "]]"  # trained spans when the output is not a terminal
 
 
-def marked_text(tokenizer, input_ids, labels, colour: bool) -> str:
-    """The example's text with trained runs in green (terminal) or between [[ and ]] (piped)."""
+def marked_text(tokenizer, input_ids, labels, colour: bool, images=()) -> str:
+    """The example's text with trained runs in green (terminal) or between [[ and ]] (piped); `images`: (start,
+    end, text) spans shown as their text (`<image 1: 448x448 -> 256 tokens>`, never trained)."""
     pieces, run, trained = [], [], None
-    for token, label in zip(input_ids, labels):
+    starts = {start: (end, text) for start, end, text in images}
+    skip_to = 0
+    for position, (token, label) in enumerate(zip(input_ids, labels)):
+        if position < skip_to:
+            continue
+        if position in starts:
+            if run:
+                pieces.append((trained, tokenizer.decode(run)))
+            skip_to, text = starts[position]
+            pieces.append((False, text))
+            run, trained = [], None
+            continue
         is_trained = label != IGNORE_INDEX
         if trained is not None and is_trained != trained:
             pieces.append((trained, tokenizer.decode(run)))
@@ -27,6 +39,19 @@ def marked_text(tokenizer, input_ids, labels, colour: bool) -> str:
 
         return "".join(f"[bold green]{escape(text)}[/bold green]" if on else f"[dim]{escape(text)}[/dim]" for on, text in pieces)
     return "".join(f"{OPEN}{text}{CLOSE}" if on else text for on, text in pieces)
+
+
+def image_marks(tokenizer, row) -> list[tuple[int, int, str]]:
+    """Where each image of an example with images goes (data/vision_rows.image_spans); none for text."""
+    from .data.vision_processor import processor_of
+
+    processor = processor_of(tokenizer)
+    if processor is None or "images" not in row:
+        return []
+    from .data.images import decode_references
+    from .data.vision_rows import image_spans
+
+    return image_spans(processor, [int(i) for i in row["input_ids"]], decode_references(row["images"]))
 
 
 def example_parts(row) -> list[tuple[str, list[int], list[int]]]:

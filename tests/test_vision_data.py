@@ -62,7 +62,7 @@ def test_vision_keys_take_praisonai_trains_names_and_refuse_contradictions(tiny_
         parse_config({**base, "freeze_language_model": True})
     # a text-only model refuses vision keys; a vision model refuses packing and other methods
     text_only = parse_config({**base, "model_name": str(tiny_model), "image_max_pixels": 1024})
-    with pytest.raises(ConfigError, match=r"^image_max_pixels: .* is a text-only model .*; remove image_max_pixels$"):
+    with pytest.raises(ConfigError, match=r"^image_max_pixels: .* takes no images .*; remove image_max_pixels$"):
         vision_rule(text_only, False)
     vision_rule(parse_config(base), False)  # defaults are not "written"
     with pytest.raises(ConfigError, match="^packing: rows with images are not packed"):
@@ -188,6 +188,15 @@ def test_frozen_parts_get_no_gradient_and_do_not_change(tiny_vlms, kind, tmp_pat
     data, _, _ = tokenize_dataset(config.dataset, tokenizer, config, method.data(tokenizer))
     batch = method.collator(tokenizer.pad_token_id)([data[0], data[1]])
     module = method.loss_module(causal_lm, accelerator=_NoAccelerator(), tokenizer=tokenizer, use_cuda=False)
+    assert module.chunked  # the LM head at target positions, over the language model's hidden states
+    with torch.no_grad():
+        chunked = method.forward(module, batch)[0]
+        module.chunked = False
+        full = method.forward(module, batch)[0]  # the model's own logits, the images through its forward
+        module.chunked = True
+        blank = method.forward(module, {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])})[0]
+    assert torch.allclose(chunked, full, rtol=1e-5, atol=1e-5), (chunked, full)
+    assert not torch.allclose(chunked, blank)  # the images reach the model
     before = {name: p.detach().clone() for name, p in causal_lm.named_parameters()}
     optimizer = torch.optim.SGD([p for p in causal_lm.parameters() if p.requires_grad], lr=1.0)
     loss, _ = method.forward(module, batch)
@@ -218,3 +227,50 @@ class _NoAccelerator:
 
     class distributed_type:  # noqa: N801
         name = "NO"
+
+
+def test_a_datasets_image_feature_is_kept_as_a_file_not_as_pixels(tiny_vlms, tmp_path):
+    """A parquet file (as a Hub dataset is) whose images are an Image feature with the JPEG/PNG bytes embedded,
+    and Arrow-typed messages (every part has every field, "text": None on image parts)."""
+    import datasets
+
+    model = _vlm(tiny_vlms, "idefics3")
+    rows = trl_rows(shape_records(3, 0, tmp_path / "img"))
+    sources = [(tmp_path / r["images"][0]).read_bytes() for r in rows]
+    table = datasets.Dataset.from_dict(
+        {"messages": [r["messages"] for r in rows], "images": [[{"bytes": b, "path": None}] for b in sources]})
+    table = table.cast_column("images", datasets.List(datasets.Image()))
+    table.to_parquet(str(tmp_path / "train.parquet"))
+    for image in (tmp_path / "img").iterdir():
+        image.unlink()  # only the parquet file holds them now
+    tokenizer, method, data, stats, _ = _encoded(_config(model, tmp_path / "train.parquet", tmp_path))
+    assert stats.datasets[0].examples == 3
+    for index, expected in enumerate(sources):
+        paths = decode_references(data[index]["images"])
+        assert len(paths) == 1 and Path(paths[0]).read_bytes() == expected
+        assert Path(paths[0]).parent == tmp_path / "out" / ".cache" / "preprocessed" / "images"
+    batch = method.collator(tokenizer.pad_token_id)([data[0], data[1], data[2]])
+    assert batch["pixel_values"].shape[0] == 3
+
+
+def test_image_pixel_budget_reaches_processors_that_take_one_and_is_refused_by_others():
+    """Qwen2-VL's image processor (its PIL backend needs no torchvision) resizes to image_max_pixels; CLIP's
+    (LLaVA's) has no pixel budget: one line."""
+    from PIL import Image
+    from transformers import CLIPImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from praisonai_accel.data.vision_processor import set_pixel_budget
+
+    config = parse_config({"model_name": "m", "dataset": "d.jsonl", "image_max_pixels": 64 * 64,
+                           "image_min_pixels": 32 * 32})
+    image = Image.new("RGB", (400, 300))
+    processor = Qwen2VLImageProcessorPil()
+    before = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].prod().item()
+    set_pixel_budget(processor, config, "m")
+    grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+    assert grid.prod().item() * 14 * 14 <= 64 * 64 < before * 14 * 14
+    assert processor.to_dict()["size"] == {"longest_edge": 4096, "shortest_edge": 1024}  # in the cache key
+    with pytest.raises(ConfigError, match=r"^image_max_pixels: the image processor of m \(CLIPImageProcessorPil\) "
+                                          r"does not resize by a pixel budget; remove it$"):
+        set_pixel_budget(CLIPImageProcessorPil(), config, "m")

@@ -20,7 +20,7 @@ def preview_command(
     from rich.console import Console
 
     from ..data import IGNORE_INDEX
-    from ..preview import dataset_rows, example_parts, histogram, marked_text
+    from ..preview import dataset_rows, example_parts, histogram, image_marks, marked_text
 
     cfg = load_config(config)
     check_local_inputs(cfg)
@@ -37,7 +37,7 @@ def preview_command(
         for title, ids, labels in parts:
             if title:  # a preference example: its prompt, then each completion after it
                 show(f"- {title} ({len(ids)} tokens):")
-            show(marked_text(tokenizer, ids, labels, colour))
+            show(marked_text(tokenizer, ids, labels, colour, image_marks(tokenizer, data[index]) if not title else ()))
     for row in dataset_rows(data, stats):
         typer.echo(f"=== {row['name']}")
         typer.echo(f"examples {row['examples']} of {row['rows']} | tokens {row['tokens']:,} | trained fraction "

@@ -227,7 +227,8 @@ def content_text(content) -> str:
     """The text of a message's content, whether a string or a list of blocks."""
     if isinstance(content, str):
         return content
-    return "".join(block.get("text", "") for block in content or [] if isinstance(block, dict))
+    # Arrow-typed rows (a Hub dataset's) give an image part "text": None
+    return "".join(block.get("text") or "" for block in content or [] if isinstance(block, dict))
 
 
 def normalize_message(message: dict) -> dict:

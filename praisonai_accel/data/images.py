@@ -23,7 +23,7 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 def image_values(row: dict) -> list:
     """The row's images, as a list (one value alone, or none)."""
-    value = row.get(IMAGES_COLUMN)
+    value = row.get(IMAGES_COLUMN, row.get("image"))  # TRL's `images`, or one `image` as some Hub datasets have
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -39,10 +39,48 @@ def base_folder(spec: DatasetSpec) -> Path:
     return Path.cwd()
 
 
-def image_path(value, number: int, base: Path) -> Path | RowProblem:
-    """Image `number` (1-based) of a row as a file path, or why it is not one."""
-    if isinstance(value, dict) and isinstance(value.get("path"), str):  # a datasets Image feature, not decoded
-        value = value["path"]
+def keep_encoded(table):
+    """A datasets table whose Image columns (or lists of them) give the files' bytes and paths, not decoded
+    pixels: preprocessing keeps references, and the collator decodes."""
+    import datasets
+
+    def undecoded(feature):
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(decode=False)
+        if isinstance(feature, (datasets.Sequence, datasets.List)):
+            inner = undecoded(feature.feature)
+            return None if inner is None else type(feature)(inner)
+        return None
+
+    for name, feature in table.features.items():
+        cast = undecoded(feature)
+        if cast is not None:
+            table = table.cast_column(name, cast)
+    return table
+
+
+def stored_image(data: bytes, store: Path) -> Path:
+    """An image embedded in a dataset (a Hub dataset's Image feature), written once under `store` by its content's
+    hash: the cache then holds its path like any other."""
+    import hashlib
+    import os
+
+    path = store / hashlib.sha256(data).hexdigest()[:32]
+    if not path.is_file():
+        store.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return path
+
+
+def image_path(value, number: int, base: Path, store: Path | None = None) -> Path | RowProblem:
+    """Image `number` (1-based) of a row as a file path, or why it is not one. A datasets Image feature's value
+    ({"bytes", "path"}): its bytes, written under `store`, or its path."""
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        if isinstance(value.get("bytes"), bytes) and value["bytes"] and store is not None:
+            return stored_image(value["bytes"], store)
+        value = value.get("path")
     if not isinstance(value, str) or not value.strip():
         kind = "an empty path" if isinstance(value, str) else type(value).__name__
         return RowProblem("invalid image", f"image {number} is {kind}, not the path of an image file")
@@ -92,10 +130,11 @@ def with_image_parts(messages: list[dict]) -> list[dict]:
         content = message.get("content")
         if isinstance(content, str) and PLACEHOLDER in content:
             content = split_placeholders(content)
-        elif isinstance(content, list):
+        elif isinstance(content, list):  # Arrow-typed rows give every part every field, None where unset
             content = [part for block in content for part in
                        ([{"type": "image"}] if block.get("type") == "image" else
-                        split_placeholders(block["text"]) if isinstance(block.get("text"), str) else [block])]
+                        split_placeholders(block["text"]) if isinstance(block.get("text"), str) else
+                        [{k: v for k, v in block.items() if v is not None}])]
         out.append({**message, "content": content})
     return out
 
@@ -117,7 +156,7 @@ def placeholder_count(messages: list) -> int:
     return count
 
 
-def check_images(row: dict, messages: list, base: Path) -> RowProblem | None:
+def check_images(row: dict, messages: list, base: Path, store: Path | None = None) -> RowProblem | None:
     """Why the row's images cannot be trained (missing, unreadable, a URL, not as many as its placeholders)."""
     values = image_values(row)
     wanted = placeholder_count(messages)
@@ -126,7 +165,7 @@ def check_images(row: dict, messages: list, base: Path) -> RowProblem | None:
                           f"{wanted} image placeholder{'s' if wanted != 1 else ''} ({{\"type\": \"image\"}} parts or "
                           f"{PLACEHOLDER}) but {len(values)} image{'s' if len(values) != 1 else ''} in '{IMAGES_COLUMN}'")
     for number, value in enumerate(values, 1):
-        path = image_path(value, number, base)
+        path = image_path(value, number, base, store)
         if isinstance(path, RowProblem):
             return path
         size = image_size(path, number, check=True)

@@ -111,7 +111,9 @@ def load_raw(spec: DatasetSpec):
         raise DataError(f"dataset {spec.name}: could not be loaded: {type(exc).__name__}: {first_line(exc, '')}") from None
     if spec.num_samples is not None:
         data = data.select(range(min(spec.num_samples, len(data))))
-    return data
+    from .images import keep_encoded
+
+    return keep_encoded(data)  # Image features as the files' bytes: decoded for training only, in the collator
 
 
 def _not_utf8(text: str, column_base: int = 1) -> RowProblem | None:

@@ -23,41 +23,62 @@ def is_vision_config(model_config) -> bool:
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-@functools.lru_cache(maxsize=8)
-def _vision_checkpoint(name: str, revision: str | None, trust_remote_code: bool) -> bool:
-    from transformers import AutoConfig
-
-    try:
-        return is_vision_config(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code))
-    except Exception:  # not loadable: loading the model says why, in one line
-        return False
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def is_vision_checkpoint(config) -> bool:
-    """Whether config.model_name is a vision-language checkpoint (read from its config.json)."""
-    return _vision_checkpoint(config.model_name, config.revision, config.trust_remote_code)
-
-
-def declares_images(config) -> bool | None:
-    """Whether the checkpoint's config.json names a vision tower, read from the file (a local folder, or the Hub
-    cache) without importing transformers (unsloth must be imported first); None when the file is not here."""
-    import json
+def _checkpoint_file(config, filename: str):
+    """The path of a file of the checkpoint on this machine (its folder, or the Hub cache); False when the
+    checkpoint is here without it; None when the checkpoint is not here (a Hub id not cached)."""
     from pathlib import Path
 
     folder = Path(config.model_name).expanduser()
-    path = folder / "config.json" if folder.is_dir() else None
-    if path is None:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(config.model_name, "config.json", revision=config.revision)
-        except Exception:  # not a repo id
-            return None
-        path = Path(cached) if isinstance(cached, str) else None
+    if folder.is_dir():
+        return folder / filename if (folder / filename).is_file() else False
     try:
-        return isinstance(json.loads(path.read_text()).get("vision_config"), dict) if path else None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(config.model_name, filename, revision=config.revision)
+    except Exception:  # not a repo id
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def declares_images(config) -> bool | None:
+    """Does the checkpoint take images: its config.json names a vision tower and it ships an image processor? Read
+    from the files (a local folder, or the Hub cache) without importing transformers (unsloth must be imported
+    first); None when they are not here. A multimodal checkpoint saved without its processor trains on text."""
+    import json
+
+    path = _checkpoint_file(config, "config.json")
+    if not path:
+        return None
+    try:
+        if not isinstance(json.loads(path.read_text()).get("vision_config"), dict):
+            return False
     except (OSError, ValueError, AttributeError):
         return None
+    return any(_checkpoint_file(config, name) for name in PROCESSOR_FILES)
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_checkpoint(name: str, revision: str | None, trust_remote_code: bool) -> bool:
+    from transformers import AutoConfig, AutoProcessor
+
+    try:
+        if not is_vision_config(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)):
+            return False
+        processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception:  # not loadable: loading the model says why, in one line
+        return False
+    return getattr(processor, "image_processor", None) is not None
+
+
+def is_vision_checkpoint(config) -> bool:
+    """Whether config.model_name takes images here (declares_images; a checkpoint not on this machine is asked)."""
+    declared = declares_images(config)
+    if declared is not None:
+        return declared
+    return _vision_checkpoint(config.model_name, config.revision, config.trust_remote_code)
 
 
 def load_processor(config):
@@ -72,19 +93,28 @@ def load_processor(config):
     if image_processor is None:
         raise ConfigError(f"model_name: {name} has no image processor (its AutoProcessor is "
                           f"{type(processor).__name__}); a vision-language model needs one")
-    for key, attribute in (("image_max_pixels", "max_pixels"), ("image_min_pixels", "min_pixels")):
+    set_pixel_budget(image_processor, config, name)
+    return processor
+
+
+def set_pixel_budget(image_processor, config, name: str) -> None:
+    """image_max_pixels / image_min_pixels on an image processor that resizes to a pixel budget (Qwen2-VL's and its
+    kin: min_pixels / max_pixels among its keyword arguments, kept in transformers 5 as size's shortest_edge /
+    longest_edge); one line for one that does not."""
+    takes = set(getattr(getattr(type(image_processor), "valid_kwargs", None), "__annotations__", {}))
+    for key, attribute, edge in (("image_max_pixels", "max_pixels", "longest_edge"),
+                                 ("image_min_pixels", "min_pixels", "shortest_edge")):
         value = getattr(config, key)
         if value is None:
             continue
-        if not hasattr(image_processor, attribute):
+        if attribute not in takes and not hasattr(image_processor, attribute):
             raise ConfigError(f"{key}: the image processor of {name} ({type(image_processor).__name__}) does not "
                               "resize by a pixel budget; remove it")
-        setattr(image_processor, attribute, value)
-        size = getattr(image_processor, "size", None)  # Qwen2-VL reads the budget from size too
-        edge = "longest_edge" if attribute == "max_pixels" else "shortest_edge"
-        if size is not None and hasattr(size, "__contains__") and edge in size:
+        if hasattr(image_processor, attribute):
+            setattr(image_processor, attribute, value)
+        size = getattr(image_processor, "size", None)
+        if isinstance(size, dict) or (size is not None and hasattr(size, "__setitem__")):
             size[edge] = value
-    return processor
 
 
 def tokenizer_of(processor):

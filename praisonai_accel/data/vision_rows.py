@@ -12,9 +12,11 @@ A row too long for max_seq_length is left out (an image's tokens are never cut).
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 from ..config import DatasetSpec, TrainConfig
 from ..errors import first_line
+from .cache import cache_dir
 from .chat_masking import IGNORE_INDEX, encode_conversation
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem, to_conversation
@@ -34,6 +36,7 @@ class VisionSFTData(SFTData):
     def __init__(self, tokenizer, config: TrainConfig, plan=None):
         super().__init__(tokenizer, config, plan)
         self.processor = processor_of(tokenizer)
+        self.store = Path(cache_dir(config)) / "images"  # images a dataset embeds (images.stored_image)
 
     def detect_format(self, columns: list[str], spec: DatasetSpec) -> str:
         fmt = super().detect_format(columns, spec)
@@ -48,7 +51,7 @@ class VisionSFTData(SFTData):
             return problem
         key = {"sharegpt": "conversations", "messages": "messages"}.get(fmt)
         turns = row[key] if key else [{"content": str(row.get("instruction", "")) + str(row.get("input") or "")}]
-        return check_images(row, turns, base_folder(spec))
+        return check_images(row, turns, base_folder(spec), self.store)
 
     def encode(self, row: dict, fmt: str, tokenizer=None, config: TrainConfig | None = None,
                spec: DatasetSpec | None = None) -> dict | RowProblem:
@@ -56,7 +59,7 @@ class VisionSFTData(SFTData):
         if fmt == "text":
             return super().encode(row, fmt, tokenizer, config, spec)
         base = base_folder(spec)
-        paths = [image_path(value, number, base) for number, value in enumerate(image_values(row), 1)]
+        paths = [image_path(value, number, base, self.store) for number, value in enumerate(image_values(row), 1)]
         sizes = [image_size(path, number) for number, path in enumerate(paths, 1)]
         problem = next((p for p in paths + sizes if isinstance(p, RowProblem)), None)
         if problem is not None:  # the file changed since check_row read it
@@ -143,3 +146,29 @@ class VisionCollator:
             if name in self.names:
                 batch[name] = torch.tensor(self.processor.create_mm_token_type_ids(batch["input_ids"].tolist()))
         return batch
+
+
+def image_spans(processor, input_ids: list[int], paths: list[str]) -> list[tuple[int, int, str]]:
+    """Where each image of an encoded example is: (start, end, `<image 1: 448x448 -> 256 tokens>`), from its first
+    to its last image token (the tokens between, such as Idefics3's tile markers, with it). For `preview`."""
+    from pathlib import Path
+
+    from .images import image_size
+
+    feature_ids = set(getattr(processor, "image_token_ids", None) or [processor.image_token_id])
+    spans, cursor = [], 0
+    for number, path in enumerate(paths, 1):
+        size = image_size(Path(path), number)
+        if isinstance(size, str):  # gone since preprocessing
+            return spans
+        count = sum(token in feature_ids for token in processor_ids(processor, processor.image_token, [size]))
+        start = next((i for i in range(cursor, len(input_ids)) if input_ids[i] in feature_ids), None)
+        if start is None or not count:
+            return spans
+        seen, end = 0, start
+        while end < len(input_ids) and seen < count:
+            seen += input_ids[end] in feature_ids
+            end += 1
+        spans.append((start, end, f"<image {number}: {size[0]}x{size[1]} -> {count} tokens>"))
+        cursor = end
+    return spans

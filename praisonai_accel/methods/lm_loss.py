@@ -253,7 +253,10 @@ class CausalLMLoss(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        return self._decoder()
+        decoder = self._decoder()
+        # A vision-language model's final norm is a child of its language model: FSDP2 gathers the head with it
+        # (the chunked loss reads the head's weight without calling the head).
+        return getattr(decoder, "language_model", None) or getattr(decoder, "text_model", None) or decoder
 
     @property
     def _no_split_modules(self):

@@ -41,9 +41,10 @@ QUESTIONS = ("what colour is the shape?", "what is the colour of the shape?", "w
 def chat_template(kind: str) -> str:
     if kind == "llava":
         return LLAVA_15_TEMPLATE
-    import trl
+    import importlib.util
 
-    return (Path(trl.__file__).parent / "chat_templates" / f"{_TRL_TEMPLATE[kind]}.jinja").read_text()
+    trl = Path(importlib.util.find_spec("trl").origin).parent  # the file only: importing trl takes seconds
+    return (trl / "chat_templates" / f"{_TRL_TEMPLATE[kind]}.jinja").read_text()
 
 
 def _tokenizer_texts() -> list[str]:
@@ -258,6 +259,61 @@ def llamafactory_rows(records: list[dict]) -> list[dict]:
     return [{"messages": [{"role": "user", "content": f"<image>{r['question']}"},
                           {"role": "assistant", "content": r["answer"]}],
              "images": [r["image"]]} for r in records]
+
+
+def held_out_answers(model, processor, records: list[dict], image_root: Path, max_new_tokens: int = 8,
+                     batch_size: int = 32) -> list[str]:
+    """Greedy answers to every record's question about its image, in left-padded batches through the processor
+    (stopping where inference.generate stops: inference.stop_token_ids)."""
+    import torch
+
+    from .inference import read_image, stop_token_ids
+
+    tokenizer = processor.tokenizer
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    stops = stop_token_ids(model, processor)
+    answers: list[str] = []
+    try:
+        for start in range(0, len(records), batch_size):
+            chunk = records[start:start + batch_size]
+            prompts = [processor.apply_chat_template(prompt_messages(r), tokenize=False, add_generation_prompt=True)
+                       for r in chunk]
+            images = [[read_image(Path(image_root) / r["image"])] for r in chunk]
+            inputs = processor(text=prompts, images=images, return_tensors="pt", padding=True,
+                               add_special_tokens=False).to(model.device, dtype=model.dtype)
+            with torch.no_grad():
+                output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
+            answers += [tokenizer.decode(row, skip_special_tokens=True).strip()
+                        for row in output[:, inputs["input_ids"].shape[1]:]]
+    finally:
+        tokenizer.padding_side = padding_side
+    return answers
+
+
+def vision_demo_config(model_dir: Path, data_path: Path, output_dir: Path, **overrides) -> dict:
+    """The demo's training config: the whole language model and the projector train, the random vision tower stays
+    frozen (freeze_vision_tower's default, written out to show it); 120 steps of 2 x 8 images learn the colours."""
+    config = {
+        "model_name": str(model_dir),
+        "dataset": [{"name": str(data_path)}],
+        "max_seq_length": 128,
+        "finetune_type": "full",
+        "freeze_vision_tower": True,
+        "freeze_multi_modal_projector": False,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 3e-3,
+        "max_steps": 120,
+        "warmup_steps": 5,
+        "lr_scheduler_type": "linear",
+        "logging_steps": 20,
+        "seed": 42,
+        "output_dir": str(output_dir),
+        "final_model_dir": "model",
+    }
+    config.update(overrides)
+    return config
 
 
 def exact_match(answers: list[str], records: list[dict]) -> float:

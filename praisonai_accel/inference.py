@@ -4,6 +4,7 @@ its processor, and the images of a prompt go through it."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from .output_dirs import read_marker
@@ -104,7 +105,9 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
 
         base = model_class.from_pretrained(base_model_of(model_dir), dtype="auto", revision=facts.get("revision"),
                                            trust_remote_code=trust_remote_code)
-        model = PeftModel.from_pretrained(base, str(model_dir))
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(base, str(model_dir))
     else:
         model = model_class.from_pretrained(str(model_dir), dtype="auto", trust_remote_code=trust_remote_code)
     model.to(device).eval()

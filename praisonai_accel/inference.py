@@ -52,7 +52,33 @@ def is_processor(tokenizer) -> bool:
 
 
 def _holds_processor(directory: Path) -> bool:
-    return any((directory / name).is_file() for name in ("preprocessor_config.json", "processor_config.json"))
+    from .data.vision_processor import PROCESSOR_FILES
+
+    return any((directory / name).is_file() for name in PROCESSOR_FILES)
+
+
+def takes_images(model_dir: Path, trust_remote_code: bool = False) -> tuple[bool, str]:
+    """(whether the model in this directory takes images, its model_type): a vision-language config, saved with an
+    image processor here or, for an adapter, with its base model (a folder, or the Hub cache). A multimodal model
+    saved with its tokenizer alone is a text model, as training treats it (data/vision_processor.py)."""
+    from .data.vision_processor import PROCESSOR_FILES, is_vision_config
+
+    model_dir = Path(model_dir)
+    config = model_config_of(model_dir, trust_remote_code)
+    if not is_vision_config(config):
+        return False, config.model_type
+    if _holds_processor(model_dir):
+        return True, config.model_type
+    if not (model_dir / "adapter_config.json").is_file():
+        return False, config.model_type
+    base = base_model_of(model_dir)
+    if Path(base).is_dir():
+        return _holds_processor(Path(base)), config.model_type
+    from huggingface_hub import try_to_load_from_cache
+
+    revision = (read_marker(model_dir) or {}).get("revision")
+    cached = [try_to_load_from_cache(base, name, revision=revision) for name in PROCESSOR_FILES]
+    return any(isinstance(path, str) for path in cached), config.model_type
 
 
 def _vision_processor(model_dir: Path, adapter: bool, revision: str | None, trust_remote_code: bool):

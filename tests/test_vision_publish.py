@@ -3,8 +3,6 @@ Hub push and a merge; GGUF and Ollama publishing of one is refused in one line (
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import yaml
@@ -134,10 +132,23 @@ def test_ollama_and_gguf_refuse_a_vision_model_in_one_line(trained, vlm, shapes,
         assert not (tmp_path / key / "out").exists()  # before launch: nothing trained
 
 
-def test_a_text_model_is_not_refused(tiny_model):
-    from transformers import AutoConfig
+def test_what_takes_images_is_a_vision_config_saved_with_its_image_processor(tiny_model, vlm, tmp_path, monkeypatch):
+    """A text model, or a multimodal one trained on text and saved with its tokenizer alone, is published as before;
+    a VLM's adapter saved without the processor takes images through its base's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
 
-    from praisonai_accel.publish.gguf_llamacpp import vision_refusal
+    from conftest import make_architecture
+    from praisonai_accel.inference import takes_images
+    from praisonai_accel.publish.gguf import GGUFError, plan_export
 
-    assert vision_refusal("ollama", AutoConfig.from_pretrained(tiny_model)) is None
-    assert vision_refusal("gguf export", json.loads((tiny_model / "config.json").read_text())) is None
+    assert takes_images(tiny_model) == (False, "llama")
+    text_trained = make_architecture(tmp_path / "gemma3", "gemma3")
+    assert takes_images(text_trained) == (False, "gemma3")
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(tmp_path / "no-converter"))  # nothing fetched, whatever is cached
+    with pytest.raises(GGUFError, match="LLAMA_CPP_CONVERTER=.*holds no convert_hf_to_gguf.py"):
+        plan_export(text_trained, ["f16"], tmp_path / "gguf")  # past the vision rule, on to the converter
+    assert takes_images(vlm) == (True, "idefics3")
+    adapter = get_peft_model(AutoModelForImageTextToText.from_pretrained(vlm), LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter.save_pretrained(tmp_path / "adapter")
+    assert takes_images(tmp_path / "adapter") == (True, "idefics3")

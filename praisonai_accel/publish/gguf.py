@@ -101,9 +101,12 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
         raise GGUFError(f"{source}: was trained with trust_remote_code: true; pass --trust-remote-code to run the model's "
                         "own code")
     model_config = _config_of(source, adapter, facts.get("revision"), trust_remote_code)
-    refused = vision_refusal("gguf export", model_config)
-    if refused:
-        raise GGUFError(refused)
+    if model_config.get("vision_config") is not None:
+        from ..inference import takes_images
+
+        images, model_type = takes_images(source, trust_remote_code)
+        if images:
+            raise GGUFError(vision_refusal("gguf export", model_type))
     architecture = (model_config.get("architectures") or ["unknown"])[0]
     if dequantize_base is None:
         dequantize_base = adapter and trained_with_qlora(source)
@@ -337,6 +340,8 @@ def check_before_training(config: TrainConfig) -> None:
     vision-language model is refused any GGUF or Ollama publishing (ollama_model too: the safetensors route)."""
     if not (wanted(config) or config.ollama_model):
         return
+    from ..data.vision_processor import is_vision_checkpoint
+
     try:
         from transformers import AutoConfig
 
@@ -344,10 +349,9 @@ def check_before_training(config: TrainConfig) -> None:
                                                   trust_remote_code=config.trust_remote_code)
     except Exception:  # training reports an unreadable model itself
         model_config = None
-    key = next(k for k in ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model") if getattr(config, k))
-    refused = vision_refusal(key, model_config)
-    if refused:
-        raise GGUFError(refused)
+    if model_config is not None and is_vision_checkpoint(config):
+        key = next(k for k in ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model") if getattr(config, k))
+        raise GGUFError(vision_refusal(key, model_config.model_type))
     if not wanted(config):
         return
     architecture = (getattr(model_config, "architectures", None) or [None])[0]

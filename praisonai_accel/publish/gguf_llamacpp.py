@@ -146,16 +146,8 @@ TEXT_ONLY = ("our GGUF / Ollama path is text-only: it converts the language mode
              "write), so images could not reach the model")
 
 
-def vision_refusal(what: str, model_config) -> str | None:
-    """One line when `what` would publish a vision-language model through the text-only GGUF / Ollama path (a config
-    object or its dict); None for a text model."""
-    from types import SimpleNamespace
-
-    from ..data.vision_processor import is_vision_config
-
-    if isinstance(model_config, dict):
-        model_config = SimpleNamespace(**model_config)
-    if model_config is None or not is_vision_config(model_config):
-        return None
-    return (f"{what}: this is a vision-language model ({model_config.model_type}), and {TEXT_ONLY}; use its "
-            "safetensors with transformers (praisonai-accel chat --image) or a vision-aware converter")
+def vision_refusal(what: str, model_type: str) -> str:
+    """The one line refusing to publish a vision-language model (one saved with its image processor: a multimodal
+    checkpoint trained on text alone is a text model here) through the text-only GGUF / Ollama path."""
+    return (f"{what}: this is a vision-language model ({model_type}), and {TEXT_ONLY}; use its safetensors with "
+            "transformers (praisonai-accel chat --image) or a vision-aware converter")

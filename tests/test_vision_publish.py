@@ -79,6 +79,9 @@ def test_the_final_model_checkpoints_and_hub_push_carry_the_processor(trained):
     pushed = commits[-1]["files"]
     assert PROCESSOR_FILES | {"adapter_model.safetensors", "adapter_config.json"} <= set(pushed)
     assert pushed["processor_config.json"] == (out / "lora_model" / "processor_config.json").read_bytes()
+    card = pushed["README.md"].decode()  # a card that says how to load a VLM and its processor
+    assert "pipeline_tag: image-text-to-text" in card and "AutoPeftModelForCausalLM" not in card
+    assert 'PeftModel.from_pretrained(base, "me/tiny-vlm")' in card and 'AutoProcessor.from_pretrained("me/tiny-vlm")' in card
 
 
 def test_a_merged_vlm_holds_its_processor_and_answers_like_base_plus_adapter(trained, shapes, tmp_path):

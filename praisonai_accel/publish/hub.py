@@ -160,8 +160,12 @@ def model_card(config: TrainConfig, summary: dict) -> str:
     datasets = [d.name if is_hub_id(d.name) else Path(d.name).name for d in config.dataset]
     hub_datasets = [d.name for d in config.dataset if is_hub_id(d.name)]
     base = config.model_name if is_hub_id(config.model_name) else Path(config.model_name).name
+    from ..data.vision_processor import is_vision_checkpoint
+
+    vision = is_vision_checkpoint(config)
     front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + ["library_name: peft" if config.uses_lora else "library_name: transformers",
-             "pipeline_tag: text-generation", "tags:", "- praisonai-accel", f"- {config.finetune_type}"]
+             f"pipeline_tag: {'image-text-to-text' if vision else 'text-generation'}", "tags:", "- praisonai-accel",
+             f"- {config.finetune_type}"]
     if hub_datasets:
         front += ["datasets:"] + [f"- {d}" for d in hub_datasets]
     front.append("---")
@@ -189,7 +193,7 @@ def model_card(config: TrainConfig, summary: dict) -> str:
         rows.append((config.metric_for_best_model, f"{summary['best_metric']:.4f}"))
     table = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     title = config.hub_model_id or Path(config.final_model_dir).name
-    usage = (
+    usage = _vision_usage(base, title, config.uses_lora) if vision else (
         "```python\nfrom peft import AutoPeftModelForCausalLM\n"
         f"model = AutoPeftModelForCausalLM.from_pretrained(\"{title}\")\n```"
         if config.uses_lora else
@@ -198,3 +202,14 @@ def model_card(config: TrainConfig, summary: dict) -> str:
     body = [f"# {title}", "", f"Fine-tuned from `{base}` with praisonai-accel {__version__}.", "",
             "## Training", ""] + table + ["", "## Use", "", usage, ""]
     return "\n".join(front + [""] + body)
+
+
+def _vision_usage(base: str, title: str, lora: bool) -> str:
+    """How to load a vision-language model and its processor (peft's AutoPeftModel would pick AutoModelForCausalLM)."""
+    lines = ["```python", "from transformers import AutoModelForImageTextToText, AutoProcessor"]
+    if lora:
+        lines += ["from peft import PeftModel", "", f"base = AutoModelForImageTextToText.from_pretrained(\"{base}\")",
+                  f"model = PeftModel.from_pretrained(base, \"{title}\")"]
+    else:
+        lines += ["", f"model = AutoModelForImageTextToText.from_pretrained(\"{title}\")"]
+    return "\n".join(lines + [f"processor = AutoProcessor.from_pretrained(\"{title}\")", "```"])

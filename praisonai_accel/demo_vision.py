@@ -173,7 +173,8 @@ def unbuildable_reason(kind: str) -> str | None:
     if kind == "qwen2_vl" and not is_torchvision_available():
         # ProcessorMixin checks every attribute's class, the video processor's too, and transformers defines the
         # video processors only with torchvision; so neither this nor a real Qwen2-VL checkpoint's processor loads.
-        return "Qwen2VLProcessor needs a video processor, which transformers provides only with torchvision (not installed)"
+        return ("Qwen2VLProcessor needs a video processor, which transformers provides only with torchvision "
+                "(not installed)")
     return None
 
 
@@ -217,7 +218,8 @@ def draw_shape(colour: str, shape: str, rng: random.Random, size: int = 64):
     return image
 
 
-def shape_records(count: int, seed: int, image_dir: Path, root: Path | None = None, prefix: str = "shape") -> list[dict]:
+def shape_records(count: int, seed: int, image_dir: Path, root: Path | None = None,
+                  prefix: str = "shape") -> list[dict]:
     """`count` drawn images saved under image_dir (PNG and JPEG alternately) and one record each:
     {"image": path relative to `root` (default image_dir's parent), "question", "answer" (the colour), "shape",
     "colour"}. Turn them into a dataset's rows with `trl_rows` or `llamafactory_rows`."""

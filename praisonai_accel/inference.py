@@ -42,7 +42,8 @@ def model_config_of(model_dir: Path, trust_remote_code: bool = False):
     model_dir = Path(model_dir)
     if (model_dir / "adapter_config.json").is_file():
         revision = (read_marker(model_dir) or {}).get("revision")
-        return AutoConfig.from_pretrained(base_model_of(model_dir), revision=revision, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(base_model_of(model_dir), revision=revision,
+                                          trust_remote_code=trust_remote_code)
     return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
 
 
@@ -184,7 +185,8 @@ def vision_messages(messages: list[dict], images: int) -> list[dict]:
     text of the first user turn (as TRL's vision format places them)."""
     out, placed = [], False
     for message in messages:
-        parts = [{"type": "text", "text": message["content"]}] if isinstance(message["content"], str) else list(message["content"])
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
         if message["role"] == "user" and not placed:
             parts = [{"type": "image"} for _ in range(images)] + parts
             placed = True
@@ -230,4 +232,5 @@ def read_image(path: Path):
     except UnidentifiedImageError:
         raise ValueError(f"{path}: is not an image file PIL can read") from None
     except OSError as exc:  # truncated or corrupt
-        raise ValueError(f"{path}: cannot read the image: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path}: cannot read the image: {why}") from None

@@ -48,5 +48,6 @@ def test_held_out_answers_are_one_per_image_and_scored_exactly(tmp_path):
 
 def test_demo_vision_with_another_method_is_one_line(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--vision", "--method", "dpo", "--dir", str(tmp_path / "demo")])
-    assert result.exit_code == 2 and result.output.strip() == "error: --vision: the vision demo trains with sft; drop --method dpo"
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: --vision: the vision demo trains with sft; drop --method dpo"
     assert not (tmp_path / "demo").exists()

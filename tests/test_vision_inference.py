@@ -75,7 +75,8 @@ def test_a_lora_adapter_over_a_vlm_loads_with_its_base_processor(vlm, image, tmp
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert lora and all(torch.equal(p, dict(peft_model.named_parameters())[n]) for n, p in lora.items())
     seen = _capture_generate(model)
-    generate(model, processor, [{"role": "user", "content": "what colour?"}], max_new_tokens=2, images=[read_image(image)])
+    generate(model, processor, [{"role": "user", "content": "what colour?"}], max_new_tokens=2,
+             images=[read_image(image)])
     assert "pixel_values" in seen
 
 

@@ -68,7 +68,8 @@ def test_save_processing_writes_the_processor_the_tokenizer_carries(vlm, tmp_pat
 
     text = AutoTokenizer.from_pretrained(vlm)  # a text model's tokenizer carries none: the tokenizer alone, as before
     save_processing(text, tmp_path / "text")
-    assert not (tmp_path / "text" / "processor_config.json").exists() and (tmp_path / "text" / "tokenizer.json").exists()
+    assert not (tmp_path / "text" / "processor_config.json").exists()
+    assert (tmp_path / "text" / "tokenizer.json").exists()
 
 
 def test_the_final_model_checkpoints_and_hub_push_carry_the_processor(trained):
@@ -81,7 +82,8 @@ def test_the_final_model_checkpoints_and_hub_push_carry_the_processor(trained):
     assert pushed["processor_config.json"] == (out / "lora_model" / "processor_config.json").read_bytes()
     card = pushed["README.md"].decode()  # a card that says how to load a VLM and its processor
     assert "pipeline_tag: image-text-to-text" in card and "AutoPeftModelForCausalLM" not in card
-    assert 'PeftModel.from_pretrained(base, "me/tiny-vlm")' in card and 'AutoProcessor.from_pretrained("me/tiny-vlm")' in card
+    assert 'PeftModel.from_pretrained(base, "me/tiny-vlm")' in card
+    assert 'AutoProcessor.from_pretrained("me/tiny-vlm")' in card
 
 
 def test_a_merged_vlm_holds_its_processor_and_answers_like_base_plus_adapter(trained, shapes, tmp_path):
@@ -132,7 +134,8 @@ def test_ollama_and_gguf_refuse_a_vision_model_in_one_line(trained, vlm, shapes,
         (tmp_path / key).mkdir()
         config = vision_config(tmp_path / key, vlm, shapes[0], **extra)
         refused = _one_line(["train", str(config), "--cpu", "--dry-run"])
-        assert f"error: {key}: this is a vision-language model (idefics3), and our GGUF / Ollama path is text-only" in refused
+        assert f"error: {key}: this is a vision-language model (idefics3), and our GGUF / Ollama path is text-only" \
+            in refused
         assert not (tmp_path / key / "out").exists()  # before launch: nothing trained
 
 
@@ -153,6 +156,7 @@ def test_what_takes_images_is_a_vision_config_saved_with_its_image_processor(tin
     with pytest.raises(GGUFError, match="LLAMA_CPP_CONVERTER=.*holds no convert_hf_to_gguf.py"):
         plan_export(text_trained, ["f16"], tmp_path / "gguf")  # past the vision rule, on to the converter
     assert takes_images(vlm) == (True, "idefics3")
-    adapter = get_peft_model(AutoModelForImageTextToText.from_pretrained(vlm), LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter = get_peft_model(AutoModelForImageTextToText.from_pretrained(vlm),
+                             LoraConfig(r=2, target_modules=["q_proj"]))
     adapter.save_pretrained(tmp_path / "adapter")
     assert takes_images(tmp_path / "adapter") == (True, "idefics3")

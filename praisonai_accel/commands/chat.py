@@ -17,7 +17,8 @@ def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]]
     """(model, tokenizer or processor, images): every --image read and the model checked to take images before it
     loads, each failure in one line."""
     from ..data.vision_processor import is_vision_config
-    from ..inference import ModelDirError, is_processor, load_for_inference, model_config_of, read_image, resolve_model_dir
+    from ..inference import (ModelDirError, is_processor, load_for_inference, model_config_of, read_image,
+                             resolve_model_dir)
 
     show_progress_lines()
     try:
@@ -76,7 +77,8 @@ def generate_command(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
-    image: Optional[List[Path]] = typer.Option(None, "--image", help="an image file each prompt is about (a vision-language model); repeat for several"),
+    image: Optional[List[Path]] = typer.Option(
+        None, "--image", help="an image file each prompt is about (a vision-language model); repeat for several"),
 ) -> None:
     """Answer each --prompt once, one reply per line."""
     from ..inference import generate

@@ -13,9 +13,11 @@ TRAIN_ROWS, HELD_OUT_ROWS, SHOWN = 900, 100, 3
 def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
-    steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (250 for sft, 30 for dpo, 120 for --vision)"),
+    steps: int | None = typer.Option(None, "--steps", min=1,
+                                     help="optimizer steps (250 for sft, 30 for dpo, 120 for --vision)"),
     method: str = typer.Option("sft", "--method", help="sft, or dpo: teach the SFT demo's model a preference"),
-    vision: bool = typer.Option(False, "--vision", help="a tiny vision-language model learns the colour of drawn shapes"),
+    vision: bool = typer.Option(False, "--vision",
+                                help="a tiny vision-language model learns the colour of drawn shapes"),
 ) -> None:
     """Build a tiny local model and a task with checkable answers (reverse 2 or 3 names), train it with N CPU
     processes, and show held-out answers and exact-match accuracy before and after. --method dpo starts from that

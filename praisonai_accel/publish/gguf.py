@@ -350,7 +350,8 @@ def check_before_training(config: TrainConfig) -> None:
     except Exception:  # training reports an unreadable model itself
         model_config = None
     if model_config is not None and is_vision_checkpoint(config):
-        key = next(k for k in ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model") if getattr(config, k))
+        keys = ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model")
+        key = next(k for k in keys if getattr(config, k))
         raise GGUFError(vision_refusal(key, model_config.model_type))
     if not wanted(config):
         return

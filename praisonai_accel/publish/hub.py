@@ -163,9 +163,10 @@ def model_card(config: TrainConfig, summary: dict) -> str:
     from ..data.vision_processor import is_vision_checkpoint
 
     vision = is_vision_checkpoint(config)
-    front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + ["library_name: peft" if config.uses_lora else "library_name: transformers",
-             f"pipeline_tag: {'image-text-to-text' if vision else 'text-generation'}", "tags:", "- praisonai-accel",
-             f"- {config.finetune_type}"]
+    front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + [
+        "library_name: peft" if config.uses_lora else "library_name: transformers",
+        f"pipeline_tag: {'image-text-to-text' if vision else 'text-generation'}", "tags:", "- praisonai-accel",
+        f"- {config.finetune_type}"]
     if hub_datasets:
         front += ["datasets:"] + [f"- {d}" for d in hub_datasets]
     front.append("---")

@@ -274,3 +274,16 @@ def test_image_pixel_budget_reaches_processors_that_take_one_and_is_refused_by_o
     with pytest.raises(ConfigError, match=r"^image_max_pixels: the image processor of m \(CLIPImageProcessorPil\) "
                                           r"does not resize by a pixel budget; remove it$"):
         set_pixel_budget(CLIPImageProcessorPil(), config, "m")
+
+
+def test_rows_with_images_for_a_text_model_are_bad_rows(tiny_model, tmp_path):
+    from praisonai_accel.demo_vision import llamafactory_rows
+
+    row = llamafactory_rows(shape_records(1, 0, tmp_path / "img"))[0]
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}], "images": []}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [text, row]))
+    with pytest.raises(DataError, match=rf"^dataset {data} \(format messages\): line 2: it has images, and "
+                                        rf"{tiny_model} takes none \(no vision tower, or no image processor saved "
+                                        r"with it\) \(1 invalid row in all;"):
+        _encoded(_config(tiny_model, data, tmp_path))

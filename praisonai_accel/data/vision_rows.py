@@ -92,11 +92,12 @@ class VisionSFTData(SFTData):
 
 
 def processor_ids(processor, text: str, sizes: list[tuple[int, int]]) -> list[int]:
-    """The ids processor(text, images) gives for images of these sizes: run on blank images of the same sizes."""
+    """The ids processor(text, images) gives for images of these sizes: run on blank images of the same sizes.
+    Without special tokens, as TRL's collator calls it: the chat template writes bos where the model has one."""
     from PIL import Image
 
     images = [Image.new("RGB", size) for size in sizes]
-    out = processor(text=[text], images=[images] if images else None)
+    out = processor(text=[text], images=[images] if images else None, add_special_tokens=False)
     return [int(i) for i in out["input_ids"][0]]
 
 

@@ -288,3 +288,25 @@ def test_rows_with_images_for_a_text_model_are_bad_rows(tiny_model, tmp_path):
                                         rf"{tiny_model} takes none \(no vision tower, or no image processor saved "
                                         r"with it\) \(1 invalid row in all;"):
         _encoded(_config(tiny_model, data, tmp_path))
+
+
+def test_trls_parts_and_llamafactorys_placeholders_in_every_format_encode_alike(tiny_vlms, tmp_path):
+    model = _vlm(tiny_vlms, "gemma3")
+    image = shape_records(1, 0, tmp_path / "img")[0]["image"]
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
+                                                   {"type": "text", "text": "?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": [image]},
+        {"messages": [{"role": "user", "content": "what is <image>?"}, {"role": "assistant", "content": "red"}],
+         "images": [image]},
+        {"conversations": [{"from": "human", "value": "what is <image>?"}, {"from": "gpt", "value": "red"}],
+         "images": [image]},
+        {"instruction": "what is <image>?", "output": "red", "images": image},
+    ]
+    encoded = []
+    for number, row in enumerate(rows):
+        data = tmp_path / f"rows{number}.jsonl"
+        data.write_text(json.dumps(row) + "\n")
+        example = _encoded(_config(model, data, tmp_path))[2][0]
+        encoded.append((example["input_ids"].tolist(), example["labels"].tolist()))
+    assert all(e == encoded[0] for e in encoded[1:])

@@ -151,7 +151,8 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
         kwargs["device_map"] = device_map
     if config.finetune_type == "qlora":
         kwargs["quantization_config"] = _quantization_config(dtype)
-    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(config.model_name, **kwargs)
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto_class.from_pretrained(config.model_name, **kwargs)
     if vision:
         vision_model.freeze(model, config)
     checkpointing = bool(config.use_gradient_checkpointing)

@@ -95,7 +95,8 @@ def test_ids_and_labels_are_the_processors_own_with_images_and_prompts_untrained
             for m in row["messages"]]
         text = processor.apply_chat_template(messages, tokenize=False)
         images = [Image.open(FIXTURES / path).convert("RGB") for path in row["images"]]
-        expected = processor(text=[text], images=[images], return_tensors="pt")
+        # as TRL's vision collator calls it (the template writes bos; the tokenizer must not add a second)
+        expected = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
         example = data[index]
         assert decode_references(example["images"]) == [str(FIXTURES / p) for p in row["images"]]
         batch = collate([example])
@@ -274,3 +275,38 @@ def test_image_pixel_budget_reaches_processors_that_take_one_and_is_refused_by_o
     with pytest.raises(ConfigError, match=r"^image_max_pixels: the image processor of m \(CLIPImageProcessorPil\) "
                                           r"does not resize by a pixel budget; remove it$"):
         set_pixel_budget(CLIPImageProcessorPil(), config, "m")
+
+
+def test_rows_with_images_for_a_text_model_are_bad_rows(tiny_model, tmp_path):
+    from praisonai_accel.demo_vision import llamafactory_rows
+
+    row = llamafactory_rows(shape_records(1, 0, tmp_path / "img"))[0]
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}], "images": []}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [text, row]))
+    with pytest.raises(DataError, match=rf"^dataset {data} \(format messages\): line 2: it has images, and "
+                                        rf"{tiny_model} takes none \(no vision tower, or no image processor saved "
+                                        r"with it\) \(1 invalid row in all;"):
+        _encoded(_config(tiny_model, data, tmp_path))
+
+
+def test_trls_parts_and_llamafactorys_placeholders_in_every_format_encode_alike(tiny_vlms, tmp_path):
+    model = _vlm(tiny_vlms, "gemma3")
+    image = shape_records(1, 0, tmp_path / "img")[0]["image"]
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
+                                                   {"type": "text", "text": "?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": [image]},
+        {"messages": [{"role": "user", "content": "what is <image>?"}, {"role": "assistant", "content": "red"}],
+         "images": [image]},
+        {"conversations": [{"from": "human", "value": "what is <image>?"}, {"from": "gpt", "value": "red"}],
+         "images": [image]},
+        {"instruction": "what is <image>?", "output": "red", "images": image},
+    ]
+    encoded = []
+    for number, row in enumerate(rows):
+        data = tmp_path / f"rows{number}.jsonl"
+        data.write_text(json.dumps(row) + "\n")
+        example = _encoded(_config(model, data, tmp_path))[2][0]
+        encoded.append((example["input_ids"].tolist(), example["labels"].tolist()))
+    assert all(e == encoded[0] for e in encoded[1:])

@@ -162,6 +162,8 @@ def inputs_key(config: TrainConfig) -> str | None:
             "excess_length_strategy": config.excess_length_strategy,
             "skip_invalid_rows": config.skip_invalid_rows,
             **method_identity(config),
+            # the image processor's pixel budget (cache_key reads it from the processor itself)
+            **{key: getattr(config, key) for key in ("image_max_pixels", "image_min_pixels") if getattr(config, key)},
         }
     except (OSError, DataError):
         return None  # the tokenizer path says why

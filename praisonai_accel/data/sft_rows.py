@@ -25,6 +25,9 @@ class SFTData:
         return detect_format(columns, spec)
 
     def check_row(self, row: dict, fmt: str, spec: DatasetSpec) -> RowProblem | None:
+        if isinstance(row, dict) and row.get("images"):  # vision_rows.VisionSFTData trains them
+            return RowProblem("images for a text model", f"it has images, and {self.config.model_name} takes none (no "
+                                                         "vision tower, or no image processor saved with it)")
         return check_row(row, fmt, spec)
 
     def encode(self, row: dict, fmt: str, tokenizer=None, config: TrainConfig | None = None,

@@ -19,7 +19,7 @@ from ..errors import first_line
 from .cache import cache_dir
 from .chat_masking import IGNORE_INDEX, encode_conversation
 from .encoding import count_targets
-from .formats import TOO_LONG, DataError, RowProblem, to_conversation
+from .formats import TOO_LONG, DataError, RowProblem, check_row, to_conversation
 from .images import (
     IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_size, image_values,
     with_image_parts,
@@ -46,7 +46,7 @@ class VisionSFTData(SFTData):
         return fmt
 
     def check_row(self, row: dict, fmt: str, spec: DatasetSpec) -> RowProblem | None:
-        problem = super().check_row(row, fmt, spec)
+        problem = check_row(row, fmt, spec)
         if problem or fmt == "text":
             return problem
         key = {"sharegpt": "conversations", "messages": "messages"}.get(fmt)
@@ -92,11 +92,12 @@ class VisionSFTData(SFTData):
 
 
 def processor_ids(processor, text: str, sizes: list[tuple[int, int]]) -> list[int]:
-    """The ids processor(text, images) gives for images of these sizes: run on blank images of the same sizes."""
+    """The ids processor(text, images) gives for images of these sizes: run on blank images of the same sizes.
+    Without special tokens, as TRL's collator calls it: the chat template writes bos where the model has one."""
     from PIL import Image
 
     images = [Image.new("RGB", size) for size in sizes]
-    out = processor(text=[text], images=[images] if images else None)
+    out = processor(text=[text], images=[images] if images else None, add_special_tokens=False)
     return [int(i) for i in out["input_ids"][0]]
 
 

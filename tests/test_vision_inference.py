@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import cli, cpu_env, make_architecture
 from praisonai_accel.cli import app
-from praisonai_accel.demo_vision import make_tiny_vlm, shape_records
+from praisonai_accel.demo_vision import KINDS, make_tiny_vlm, shape_records, unbuildable_reason
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,30 @@ def test_generate_puts_the_image_through_the_processor(vlm, image):
     seen.clear()
     generate(model, processor, [{"role": "user", "content": "hello"}], max_new_tokens=2)  # text alone still works
     assert "pixel_values" not in seen and image_token not in seen["input_ids"]
+
+
+TURN_END = {"llava": None, "gemma3": "<end_of_turn>", "idefics3": "<end_of_utterance>", "qwen2_vl": "<|im_end|>"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_tiny_architecture_answers_about_an_image(kind, image, tmp_path):
+    """Each architecture's processor expands its own image tokens, and generation stops at its template's end of
+    turn (LLaVA 1.5's template writes none: its eos)."""
+    if unbuildable_reason(kind):
+        pytest.skip(unbuildable_reason(kind))
+    from praisonai_accel.inference import generate, load_for_inference, read_image, stop_token_ids
+
+    model, processor = load_for_inference(make_tiny_vlm(kind, tmp_path / kind), device="cpu")
+    seen = _capture_generate(model)
+    reply = generate(model, processor, [{"role": "system", "content": "answer in one word"},
+                                        {"role": "user", "content": "what colour is the shape?"}],
+                     max_new_tokens=2, images=[read_image(image)])
+    assert isinstance(reply, str) and "pixel_values" in seen
+    assert int((seen["input_ids"] == processor.image_token_id).sum()) > 0
+    stops = stop_token_ids(model, processor)
+    assert processor.tokenizer.eos_token_id in stops
+    if TURN_END[kind]:
+        assert processor.tokenizer.convert_tokens_to_ids(TURN_END[kind]) in stops
 
 
 def test_a_lora_adapter_over_a_vlm_loads_with_its_base_processor(vlm, image, tmp_path):

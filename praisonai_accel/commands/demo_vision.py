@@ -68,4 +68,5 @@ def _report(held_out: list[dict], before: list[str], after: list[str], summary: 
                    f"  before: {old or '(nothing)'}\n  after:  {new}   (expected: {record['answer']})")
     typer.echo(f"exact-match accuracy on {len(held_out)} held-out images: {exact_match(before, held_out):.0%} before, "
                f"{exact_match(after, held_out):.0%} after {summary['global_step']} steps on "
-               f"{summary['num_processes']} processes (chance: 25%); model in {summary['final_model_dir']}")
+               f"{summary['num_processes']} process{'es' * (summary['num_processes'] != 1)} (chance: 25%); "
+               f"model in {summary['final_model_dir']}")

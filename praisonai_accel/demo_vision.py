@@ -6,7 +6,9 @@ byte-level BPE tokenizer trained here with the processor's image tokens, and the
 checkpoints ship it (TRL keeps verbatim copies in trl/chat_templates; LLaVA 1.5's is llava-hf's). No download.
 
 `shape_records` draws the demo task: a coloured square or circle on a plain background, saved as image files, with
-the question "what colour is the shape?" and a one-word answer, in TRL's and LLaMA-Factory's formats.
+the question "what colour is the shape?" and a one-word answer, in TRL's and LLaMA-Factory's formats;
+`vision_demo_config` is how `praisonai-accel demo --vision` (and bench/vision.py) trains on it, `held_out_answers`
+and `exact_match` how they score it.
 """
 
 from __future__ import annotations

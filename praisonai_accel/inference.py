@@ -221,16 +221,9 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, 
 
 def read_image(path: Path):
     """The image file as an RGB PIL image, or a ValueError naming the file and why it cannot be read."""
-    from PIL import Image, UnidentifiedImageError
+    from .data.images import open_image
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such image file")
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except UnidentifiedImageError:
-        raise ValueError(f"{path}: is not an image file PIL can read") from None
-    except OSError as exc:  # truncated or corrupt
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"{path}: cannot read the image: {why}") from None
+    image = open_image(Path(path), f"{path}:", decode=True)
+    if isinstance(image, str):  # a RowProblem: missing, unreadable, a decompression bomb
+        raise ValueError(str(image))
+    return image

@@ -160,13 +160,13 @@ def test_the_cache_keeps_ids_and_image_paths_and_too_long_rows_are_left_out_whol
     assert "a row's images are never cut" in str(skipped[0].reason)
 
 
-def _loaded(model: Path, tmp_path: Path, **overrides):
+def _loaded(model: Path, tmp_path: Path, rows: list[dict] | None = None, **overrides):
     from praisonai_accel.distributed import DistEnv
     from praisonai_accel.model import Backend, load_model_and_tokenizer
 
-    records = shape_records(2, 0, tmp_path / "img")
+    rows = rows if rows is not None else trl_rows(shape_records(2, 0, tmp_path / "img"))
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in trl_rows(records)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = _config(model, data, tmp_path, **overrides)
     causal_lm, tokenizer = load_model_and_tokenizer(config, DistEnv.from_environ(), Backend("transformers"), False,
                                                     False)
@@ -310,3 +310,78 @@ def test_trls_parts_and_llamafactorys_placeholders_in_every_format_encode_alike(
         example = _encoded(_config(model, data, tmp_path))[2][0]
         encoded.append((example["input_ids"].tolist(), example["labels"].tolist()))
     assert all(e == encoded[0] for e in encoded[1:])
+
+
+@pytest.mark.parametrize("kind", ["llava", "gemma3", "idefics3"])
+def test_rows_without_images_train_beside_rows_with_images(tiny_vlms, kind, tmp_path):
+    """Text-only rows in a dataset of image rows (no `images`, or an empty list): a batch of text rows alone and a
+    mixed batch both reach the model, with a finite loss (the image processor sees only the rows with images)."""
+    text = [{"messages": [{"role": "user", "content": f"say {word}"}, {"role": "assistant", "content": word}],
+             **extra} for word, extra in (("red", {}), ("blue", {"images": []}))]
+    rows = text + trl_rows(shape_records(2, 0, tmp_path / "img"))
+    config, causal_lm, tokenizer = _loaded(_vlm(tiny_vlms, kind), tmp_path, rows)
+    method = SFT(config)
+    data, stats, _ = tokenize_dataset(config.dataset, tokenizer, config, method.data(tokenizer))
+    assert stats.datasets[0].examples == 4
+    assert [len(data[i]["images"]) for i in range(4)][:2] == [0, 0]
+    collate = method.collator(tokenizer.pad_token_id)
+    module = method.loss_module(causal_lm, accelerator=_NoAccelerator(), tokenizer=tokenizer, use_cuda=False)
+    text_batch, mixed_batch = collate([data[0], data[1]]), collate([data[0], data[2], data[3]])
+    assert "pixel_values" not in text_batch and mixed_batch["pixel_values"].shape[0] == 2
+    for batch in (text_batch, mixed_batch):
+        loss = method.forward(module, batch)[0]
+        assert torch.isfinite(loss)
+        loss.backward()
+
+
+def test_format_text_on_a_vlm_trains_as_text(tiny_vlms, tmp_path):
+    model = _vlm(tiny_vlms, "llava")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"a {w} square"}) + "\n" for w in ("red", "blue")))
+    tokenizer, method, encoded, stats, _ = _encoded(_config(model, data, tmp_path))
+    assert stats.datasets[0].examples == 2 and len(encoded[0]["images"]) == 0
+    batch = method.collator(tokenizer.pad_token_id)([encoded[0], encoded[1]])
+    assert "pixel_values" not in batch and batch["input_ids"].shape[0] == 2
+
+
+def test_the_cache_key_holds_the_processors_image_token_count_and_a_changed_image_is_one_line(tiny_vlms, tmp_path):
+    """Idefics3's image_seq_len is the processor's, not its image processor's: it changes the key. An image file
+    replaced by one of another size after preprocessing: the collator names it and the stale cache."""
+    from PIL import Image
+
+    from praisonai_accel.data.cache import cache_key
+    from praisonai_accel.data.images import image_references
+
+    model = _vlm(tiny_vlms, "idefics3")
+    rows = trl_rows(shape_records(2, 0, tmp_path / "img"))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = _config(model, data, tmp_path)
+    tokenizer, method, encoded, _, _ = _encoded(config)
+    key = cache_key(config.dataset, tokenizer, config)
+    tokenizer.praisonai_processor.image_seq_len += 1
+    assert cache_key(config.dataset, tokenizer, config) != key
+    tokenizer.praisonai_processor.image_seq_len -= 1
+    path, width, height = image_references(encoded[0]["images"])[0]
+    assert (width, height) == Image.open(path).size
+    Image.new("RGB", (width + 8, height)).save(path)
+    with pytest.raises(DataError, match=rf"^image {path} is {width + 8}x{height} but was {width}x{height} when the "
+                                        r"dataset was preprocessed \(the image changed\): the preprocessing cache is "
+                                        r"stale; delete it to preprocess again$"):
+        method.collator(tokenizer.pad_token_id)([encoded[0], encoded[1]])
+
+
+def test_a_decompression_bomb_is_a_bad_row_and_one_line_for_chat(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from praisonai_accel.data.images import check_images
+    from praisonai_accel.inference import read_image
+
+    path = tmp_path / "big.png"
+    Image.new("RGB", (64, 64)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 16 * 16)  # PIL refuses twice this many as a bomb
+    row = {"messages": [{"role": "user", "content": "<image>"}], "images": [str(path)]}
+    problem = check_images(row, row["messages"], tmp_path)
+    assert problem.kind == "unreadable image" and str(problem).startswith(f"image 1 ({path}) is refused: Image size")
+    with pytest.raises(ValueError, match=rf"^{path}: is refused: Image size \(4096 pixels\) exceeds limit"):
+        read_image(path)

@@ -134,7 +134,7 @@ def _one_line_error(args):
 
 def test_bad_images_and_images_for_a_text_model_are_one_line(vlm, image, tiny_model, tmp_path):
     missing = _one_line_error(["generate", str(vlm), "-p", "x", "--image", str(tmp_path / "nope.png")])
-    assert f"--image {tmp_path / 'nope.png'}: no such image file" in missing
+    assert f"--image {tmp_path / 'nope.png'}: does not exist" in missing
     (tmp_path / "bad.jpg").write_text("not a picture")
     assert "is not an image file" in _one_line_error(["chat", str(vlm), "--image", str(tmp_path / "bad.jpg")])
     truncated = tmp_path / "cut.png"

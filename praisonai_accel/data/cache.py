@@ -17,7 +17,7 @@ from .sources import _local_path
 from .templates import resolve_chat_template
 from .tokenized import TokenizedDataset
 
-PREPROCESS_VERSION = "4"  # bump when tokenisation or the row checks change, to invalidate caches
+PREPROCESS_VERSION = "5"  # bump when tokenisation or the row checks change, to invalidate caches
 DROP_WARNING_FRACTION = 0.05
 STATS_FILE = "praisonai_stats.json"
 SKIPPED_FILE = "skipped_rows.jsonl"  # every row not trained, with its number and reason
@@ -56,11 +56,17 @@ def method_identity(config: TrainConfig) -> dict:
 
 
 def image_identity(tokenizer) -> dict:
-    """A vision-language model's image processor settings (how many tokens an image becomes); nothing for text."""
+    """A vision-language model's processor settings: how many tokens an image becomes is the image processor's and
+    the processor's own (Idefics3's image_seq_len, Gemma 3's image_seq_length, LLaVA's patch_size); the tokenizer
+    and chat template are keyed already. Nothing for text. The image files are not keyed: each reference keeps the
+    size preprocessing read, and the collator refuses an image that is no longer that size."""
     from .vision_processor import processor_of
 
     processor = processor_of(tokenizer)
-    return {} if processor is None else {"image_processor": processor.image_processor.to_dict()}
+    if processor is None:
+        return {}
+    settings = {k: v for k, v in processor.to_dict().items() if k not in ("tokenizer", "chat_template")}
+    return {"processor": settings}
 
 
 @dataclass

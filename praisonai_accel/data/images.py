@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 from ..config import DatasetSpec
-from .formats import RowProblem
+from ..errors import first_line
+from .formats import DataError, RowProblem
 
 PLACEHOLDER = "<image>"  # LLaMA-Factory's, in the text of a turn
 IMAGES_COLUMN = "images"
@@ -91,24 +92,36 @@ def image_path(value, number: int, base: Path, store: Path | None = None) -> Pat
     return path if path.is_absolute() else base / path
 
 
-def image_size(path: Path, number: int, check: bool = False) -> tuple[int, int] | RowProblem:
-    """(width, height) from the file's header; `check`: also decode it (a JPEG at reduced scale) to be sure it is
-    whole."""
+def open_image(path: Path, where: str, check: bool = False, decode: bool = False):
+    """The image file, opened: decoded as RGB (`decode`), checked whole at reduced scale (`check`: a JPEG at 1/8),
+    or only its header read; a RowProblem naming `where` (`image 2 (path)`) and why it cannot be read. A
+    decompression bomb (more pixels than PIL allows) is one of those reasons."""
     from PIL import Image, UnidentifiedImageError
 
+    path = Path(path)
     if not path.is_file():
-        return RowProblem("missing image", f"image {number} ({path}) does not exist")
+        return RowProblem("missing image", f"{where} does not exist")
     try:
         with Image.open(path) as image:
+            if decode:
+                return image.convert("RGB")
             size = image.size
             if check:
                 image.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
                 image.load()
+            return size
     except UnidentifiedImageError:
-        return RowProblem("unreadable image", f"image {number} ({path}) is not an image file PIL can read")
+        return RowProblem("unreadable image", f"{where} is not an image file PIL can read")
+    except Image.DecompressionBombError as exc:  # an Exception, not an OSError
+        return RowProblem("unreadable image", f"{where} is refused: {first_line(exc, 'too many pixels')}")
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
-        return RowProblem("unreadable image", f"image {number} ({path}) cannot be read: {exc}")
-    return size
+        return RowProblem("unreadable image", f"{where} cannot be read: {first_line(exc, type(exc).__name__)}")
+
+
+def image_size(path: Path, number: int, check: bool = False) -> tuple[int, int] | RowProblem:
+    """(width, height) from the file's header; `check`: also decode it (a JPEG at reduced scale) to be sure it is
+    whole."""
+    return open_image(path, f"image {number} ({path})", check=check)
 
 
 def split_placeholders(text: str) -> list[dict]:
@@ -175,21 +188,36 @@ def check_images(row: dict, messages: list, base: Path, store: Path | None = Non
     return None
 
 
-def encode_references(paths: list[Path]) -> list[int]:
-    """Image paths as an int column of the preprocessing cache (the UTF-8 bytes of their JSON list)."""
-    return list(json.dumps([str(p) for p in paths]).encode())
+def encode_references(paths: list[Path], sizes: list[tuple[int, int]]) -> list[int]:
+    """Image paths and the sizes preprocessing read (their image tokens depend on them) as an int column of the
+    preprocessing cache: the UTF-8 bytes of a JSON list of [path, width, height]; [] for a row without images."""
+    if not paths:
+        return []
+    return list(json.dumps([[str(p), int(w), int(h)] for p, (w, h) in zip(paths, sizes)]).encode())
+
+
+def image_references(column) -> list[tuple[str, int, int] | tuple[str, None, None]]:
+    """(path, width, height) of each image of a cached example; an older entry's bare path has no size."""
+    values = json.loads(bytes(int(b) for b in column).decode()) if len(column) else []
+    return [tuple(v) if isinstance(v, list) else (v, None, None) for v in values]
 
 
 def decode_references(column) -> list[str]:
-    return json.loads(bytes(int(b) for b in column).decode()) if len(column) else []
+    return [path for path, _, _ in image_references(column)]
 
 
-def open_images(paths: list[str]):
-    """The images, decoded as RGB: what the collator hands the image processor."""
-    from PIL import Image
-
+def open_images(references) -> list:
+    """The images, decoded as RGB: what the collator hands the image processor. An image that is gone, unreadable or
+    no longer the size the cache counted its tokens for is one line (a DataError)."""
     images = []
-    for path in paths:
-        with Image.open(path) as image:
-            images.append(image.convert("RGB"))
+    for path, width, height in references:
+        image = open_image(path, f"image {path}", decode=True)
+        if isinstance(image, RowProblem):
+            raise DataError(f"{image}; it was read when the dataset was preprocessed: the preprocessing cache is "
+                            "stale (delete it, or restore the image)")
+        if width is not None and image.size != (width, height):
+            raise DataError(f"image {path} is {image.size[0]}x{image.size[1]} but was {width}x{height} when the "
+                            "dataset was preprocessed (the image changed): the preprocessing cache is stale; "
+                            "delete it to preprocess again")
+        images.append(image)
     return images

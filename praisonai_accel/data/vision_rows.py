@@ -21,8 +21,8 @@ from .chat_masking import IGNORE_INDEX, encode_conversation
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem, check_row, to_conversation
 from .images import (
-    IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_size, image_values,
-    with_image_parts,
+    IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_references, image_size,
+    image_values, open_images, with_image_parts,
 )
 from .sft_rows import SFTData
 from .templates import template_label
@@ -57,7 +57,8 @@ class VisionSFTData(SFTData):
                spec: DatasetSpec | None = None) -> dict | RowProblem:
         tokenizer, config, plan = tokenizer or self.tokenizer, config or self.config, self.plan
         if fmt == "text":
-            return super().encode(row, fmt, tokenizer, config, spec)
+            encoded = super().encode(row, fmt, tokenizer, config, spec)
+            return encoded if isinstance(encoded, RowProblem) else {**encoded, IMAGES_COLUMN: []}
         base = base_folder(spec)
         paths = [image_path(value, number, base, self.store) for number, value in enumerate(image_values(row), 1)]
         sizes = [image_size(path, number) for number, path in enumerate(paths, 1)]
@@ -84,7 +85,7 @@ class VisionSFTData(SFTData):
                                         f"it is left out)")
         if count_targets(labels) == 0:
             return RowProblem("nothing to train", "no token of it is trained once rendered")
-        return {"input_ids": expanded, "labels": labels, "images": encode_references(paths), "truncated": False,
+        return {"input_ids": expanded, "labels": labels, "images": encode_references(paths, sizes), "truncated": False,
                 "response_cut": False}
 
     def sample_problems(self, rows: list[dict], fmt: str, spec: DatasetSpec) -> str:
@@ -136,10 +137,10 @@ class VisionCollator:
     def __call__(self, features: list[dict]) -> dict:
         import torch
 
-        from .images import decode_references, open_images
-
         batch = self.pad([{k: v for k, v in f.items() if k != IMAGES_COLUMN} for f in features])
-        images = [open_images(decode_references(f[IMAGES_COLUMN])) for f in features if len(f[IMAGES_COLUMN])]
+        # only the rows with images: the image processor takes no empty list, and the model places each image by
+        # its tokens, so rows without any (text rows in the same dataset) are text to it
+        images = [open_images(refs) for refs in (image_references(f[IMAGES_COLUMN]) for f in features) if refs]
         if images:
             pixels = self.processor.image_processor(images=images, return_tensors="pt")
             batch.update({k: v for k, v in pixels.items() if k in self.names})

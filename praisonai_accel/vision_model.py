@@ -14,8 +14,11 @@ import logging
 
 log = logging.getLogger("praisonai_accel")
 
-VISION_PARTS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder")
-PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "mm_projector")
+# Gemma 3n's audio tower goes with the vision tower (frozen alike: its adapters never fire on images and text), its
+# embed_vision / embed_audio with the projectors, as does LLaVA-NeXT's image_newline (a parameter of the model)
+VISION_PARTS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder", "audio_tower")
+PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "mm_projector", "embed_vision", "embed_audio",
+                   "image_newline")
 
 
 def part_of(name: str) -> str:

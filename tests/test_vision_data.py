@@ -385,3 +385,14 @@ def test_a_decompression_bomb_is_a_bad_row_and_one_line_for_chat(tmp_path, monke
     assert problem.kind == "unreadable image" and str(problem).startswith(f"image 1 ({path}) is refused: Image size")
     with pytest.raises(ValueError, match=rf"^{path}: is refused: Image size \(4096 pixels\) exceeds limit"):
         read_image(path)
+
+
+def test_gemma3n_audio_and_embedders_and_llava_next_newline_are_vision_and_projector_parts():
+    """Names as transformers 5's Gemma3nModel and LlavaNextModel give them."""
+    from praisonai_accel.vision_model import part_of
+
+    assert part_of("model.audio_tower.conformer.0.ffw_layer_start.ffw_layer_1.weight") == "vision"
+    assert part_of("model.embed_audio.embedding_projection.weight") == "projector"
+    assert part_of("model.embed_vision.embedding_projection.weight") == "projector"
+    assert part_of("model.image_newline") == "projector"
+    assert part_of("model.language_model.layers.0.self_attn.q_proj.weight") == "language"

@@ -58,13 +58,28 @@ def test_vision_keys_take_praisonai_trains_names_and_refuse_contradictions(tiny_
     with pytest.raises(ConfigError, match=r"^config: finetune_vision_layers: true contradicts freeze_vision_tower: "
                                           r"true \(the same switch, inverted\); keep one of them$"):
         parse_config({**base, "finetune_vision_layers": True, "freeze_vision_tower": True})
-    with pytest.raises(ConfigError, match="LoRA then adapts nothing"):
+    with pytest.raises(ConfigError, match="^config: freeze_language_model: true: LoRA then adapts nothing "
+                                          r"\(freeze_vision_tower: true freezes the vision tower too\)"):
         parse_config({**base, "freeze_language_model": True})
+    # the key the config wrote is the one named; praisonai-train's switches as pydantic reads booleans
+    with pytest.raises(ConfigError, match="^config: finetune_language_layers: false: LoRA then adapts nothing "
+                                          r"\(finetune_vision_layers: false freezes"):
+        parse_config({**base, "finetune_language_layers": False, "finetune_vision_layers": "false"})
+    for written in ("true", 1, "yes"):
+        assert parse_config({**base, "finetune_vision_layers": written}).freeze_vision_tower is False
+    assert parse_config({**base, "finetune_language_layers": "true"}).freeze_language_model is False
+    with pytest.raises(ConfigError, match="finetune_vision_layers: true contradicts freeze_vision_tower: true"):
+        parse_config({**base, "finetune_vision_layers": "1", "freeze_vision_tower": "true"})
     # a text-only model refuses vision keys; a vision model refuses packing and other methods
     text_only = parse_config({**base, "model_name": str(tiny_model), "image_max_pixels": 1024})
     with pytest.raises(ConfigError, match=r"^image_max_pixels: .* takes no images .*; remove image_max_pixels$"):
         vision_rule(text_only, False)
     vision_rule(parse_config(base), False)  # defaults are not "written"
+    for at_default in ({"freeze_vision_tower": True}, {"finetune_vision_layers": False},
+                       {"finetune_language_layers": True, "freeze_multi_modal_projector": False}):
+        vision_rule(parse_config({**base, **at_default}), False)  # praisonai-train's configs write them
+    with pytest.raises(ConfigError, match="^finetune_vision_layers: m takes no images"):
+        vision_rule(parse_config({**base, "finetune_vision_layers": True}), False)
     with pytest.raises(ConfigError, match="^packing: rows with images are not packed"):
         vision_rule(parse_config({**base, "packing": True}), True)
     with pytest.raises(ConfigError, match="^method: dpo: m takes images, which only method: sft trains"):

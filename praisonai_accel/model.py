@@ -121,7 +121,30 @@ def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unslo
     return model, tokenizer
 
 
-def _quantization_config(compute_dtype):
+def quantization_settings(compute_dtype, skip_modules: list[str] | None = None) -> dict:
+    """BitsAndBytesConfig's arguments: NF4 with double quantization; `skip_modules` stay unquantized (a VLM's
+    vision tower, projector and LM head, as LLaMA-Factory keeps them: the projector trains whole)."""
+    settings = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": compute_dtype}
+    return {**settings, "llm_int8_skip_modules": skip_modules} if skip_modules else settings
+
+
+def vision_quantization_skips(config: TrainConfig) -> list[str]:
+    """The modules of a VLM that QLoRA leaves unquantized, by their names in the model (built on the meta device from
+    its config, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from .vision_model import unquantized_modules
+
+    model_config = AutoConfig.from_pretrained(config.model_name, revision=config.revision,
+                                              trust_remote_code=config.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(model_config, trust_remote_code=config.trust_remote_code)
+    return unquantized_modules(model)
+
+
+def _quantization_config(compute_dtype, skip_modules: list[str] | None = None):
     try:
         import bitsandbytes  # noqa: F401
     except Exception as exc:
@@ -131,12 +154,7 @@ def _quantization_config(compute_dtype):
         ) from None
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-    )
+    return BitsAndBytesConfig(**quantization_settings(compute_dtype, skip_modules))
 
 
 def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
@@ -150,7 +168,8 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
     if device_map is not None:
         kwargs["device_map"] = device_map
     if config.finetune_type == "qlora":
-        kwargs["quantization_config"] = _quantization_config(dtype)
+        skips = vision_quantization_skips(config) if vision else None
+        kwargs["quantization_config"] = _quantization_config(dtype, skips)
     auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto_class.from_pretrained(config.model_name, **kwargs)
     if vision:

@@ -66,6 +66,16 @@ def _projector_root(name: str) -> str:
     return ".".join(pieces[:index + 1])
 
 
+def unquantized_modules(model) -> list[str]:
+    """The outermost modules of the vision tower and projector, and the LM head, by name: what QLoRA keeps in full
+    precision (transformers' llm_int8_skip_modules match a name from its start)."""
+    names = [name for name, _ in model.named_modules() if name]
+    roots = [name for name in names if part_of(name) != "language" and part_of(name.rpartition(".")[0]) == "language"]
+    head = model.get_output_embeddings()
+    heads = [name for name, module in model.named_modules() if module is head and head is not None]
+    return sorted(set(roots + heads[:1]))
+
+
 def part_sizes(model) -> dict[str, tuple[int, int]]:
     """(trainable, total) parameters of each part, for the log."""
     sizes: dict[str, list[int]] = {}

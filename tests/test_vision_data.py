@@ -411,3 +411,26 @@ def test_gemma3n_audio_and_embedders_and_llava_next_newline_are_vision_and_proje
     assert part_of("model.embed_vision.embedding_projection.weight") == "projector"
     assert part_of("model.image_newline") == "projector"
     assert part_of("model.language_model.layers.0.self_attn.q_proj.weight") == "language"
+
+
+@pytest.mark.parametrize("kind,kept", [("llava", ["lm_head", "model.multi_modal_projector", "model.vision_tower"]),
+                                       ("idefics3", ["lm_head", "model.connector", "model.vision_model"])])
+def test_qlora_leaves_the_vision_tower_projector_and_head_unquantized(tiny_vlms, kind, kept, tmp_path):
+    """bitsandbytes cannot run here: the BitsAndBytesConfig arguments built for a tiny VLM, and transformers' own
+    matching of them against the model's linear layers."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from praisonai_accel.model import quantization_settings, vision_quantization_skips
+    from praisonai_accel.vision_model import part_of
+
+    model = _vlm(tiny_vlms, kind)
+    settings = quantization_settings(torch.bfloat16, vision_quantization_skips(_config(model, model, tmp_path)))
+    assert settings["llm_int8_skip_modules"] == kept and settings["load_in_4bit"]
+    with torch.device("meta"):
+        built = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model))
+    linears = [name for name, module in built.named_modules() if isinstance(module, torch.nn.Linear)]
+    for name in linears:
+        quantized = should_convert_module(name, settings["llm_int8_skip_modules"])
+        assert quantized == (part_of(name) == "language" and name != "lm_head"), name
+    assert "llm_int8_skip_modules" not in quantization_settings(torch.bfloat16)  # a text model: transformers' own

@@ -434,3 +434,21 @@ def test_qlora_leaves_the_vision_tower_projector_and_head_unquantized(tiny_vlms,
         quantized = should_convert_module(name, settings["llm_int8_skip_modules"])
         assert quantized == (part_of(name) == "language" and name != "lm_head"), name
     assert "llm_int8_skip_modules" not in quantization_settings(torch.bfloat16)  # a text model: transformers' own
+
+
+def test_fsdp2_wraps_each_vision_encoder_layer_as_a_unit_of_its_own(tiny_vlms, tiny_model, tmp_path):
+    """Idefics3's _no_split_modules names its vision attention, not its vision encoder layer: the layer class is
+    added, so accelerate's transformer wrapping (what --fsdp runs) makes each layer, MLP and norms with it, a unit."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+
+    config, causal_lm, tokenizer = _loaded(_vlm(tiny_vlms, "idefics3"), tmp_path)
+    module = SFT(config).loss_module(causal_lm, accelerator=_NoAccelerator(), tokenizer=tokenizer, use_cuda=False)
+    names = set(module._no_split_modules)
+    assert {"Idefics3EncoderLayer", "LlamaDecoderLayer"} <= names
+    layers = causal_lm.get_base_model().model.vision_model.encoder.layers
+    assert all(type(layer) is get_module_class_from_name(module, "Idefics3EncoderLayer") for layer in layers)
+    from transformers import AutoModelForCausalLM
+
+    from praisonai_accel.methods.lm_loss import vision_layer_classes
+
+    assert vision_layer_classes(AutoModelForCausalLM.from_pretrained(tiny_model)) == set()  # a text model's own list

@@ -217,6 +217,23 @@ def transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def vision_layer_classes(model) -> set[str]:
+    """The class of a vision-language model's vision (and audio) encoder layers: the elements of the longest
+    ModuleList in its towers. Some models' _no_split_modules name only a part of such a layer (Idefics3 / SmolVLM:
+    Idefics3VisionAttention), which would leave the layer's MLP and norms in the root FSDP2 unit."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None or not hasattr(model, "get_encoder"):
+        return set()
+    classes = set()
+    for modality in ("image", "audio"):
+        tower = model.get_encoder(modality=modality)
+        if tower is model or tower is getattr(model, "base_model", None):
+            continue
+        lists = [m for m in tower.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        if lists:
+            classes |= {type(layer).__name__ for layer in max(lists, key=len)}
+    return classes
+
+
 def _head_settings(config) -> tuple[float | None, float | None]:
     """Final-logit softcapping (Gemma 2/3) and logit scaling (Cohere), wherever the config keeps them."""
     configs = [config, getattr(config, "text_config", None)]
@@ -260,7 +277,10 @@ class CausalLMLoss(nn.Module):
 
     @property
     def _no_split_modules(self):
-        return getattr(transformers_model(self.causal_lm), "_no_split_modules", None)
+        model = transformers_model(self.causal_lm)
+        names = getattr(model, "_no_split_modules", None)
+        layers = vision_layer_classes(model)
+        return sorted(set(names or ()) | layers) if layers else names
 
     def get_input_embeddings(self):
         return transformers_model(self.causal_lm).get_input_embeddings()

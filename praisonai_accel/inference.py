@@ -59,27 +59,20 @@ def _holds_processor(directory: Path) -> bool:
 
 
 def takes_images(model_dir: Path, trust_remote_code: bool = False) -> tuple[bool, str]:
-    """(whether the model in this directory takes images, its model_type): a vision-language config, saved with an
-    image processor here or, for an adapter, with its base model (a folder, or the Hub cache). A multimodal model
-    saved with its tokenizer alone is a text model, as training treats it (data/vision_processor.py)."""
-    from .data.vision_processor import PROCESSOR_FILES, is_vision_config
+    """(whether the model in this directory takes images, its model_type), by data/vision_processor.takes_images: a
+    vision-language config saved with an image processor here or, for an adapter, with its base model (a folder,
+    the Hub cache or the Hub). A multimodal model saved with its tokenizer alone is a text model, as training
+    treats it."""
+    from .data.vision_processor import takes_images as checkpoint_takes_images
 
     model_dir = Path(model_dir)
-    config = model_config_of(model_dir, trust_remote_code)
-    if not is_vision_config(config):
-        return False, config.model_type
-    if _holds_processor(model_dir):
-        return True, config.model_type
-    if not (model_dir / "adapter_config.json").is_file():
-        return False, config.model_type
-    base = base_model_of(model_dir)
-    if Path(base).is_dir():
-        return _holds_processor(Path(base)), config.model_type
-    from huggingface_hub import try_to_load_from_cache
-
-    revision = (read_marker(model_dir) or {}).get("revision")
-    cached = [try_to_load_from_cache(base, name, revision=revision) for name in PROCESSOR_FILES]
-    return any(isinstance(path, str) for path in cached), config.model_type
+    model_type = model_config_of(model_dir, trust_remote_code).model_type
+    if (model_dir / "adapter_config.json").is_file():
+        base, revision = base_model_of(model_dir), (read_marker(model_dir) or {}).get("revision")
+        images = checkpoint_takes_images(base, revision, [(str(model_dir), None), (base, revision)])
+    else:
+        images = checkpoint_takes_images(str(model_dir))
+    return bool(images), model_type
 
 
 def _vision_processor(model_dir: Path, adapter: bool, revision: str | None, trust_remote_code: bool):
@@ -108,8 +101,6 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .data.vision_processor import is_vision_config
-
     model_dir = resolve_model_dir(path)
     facts = read_marker(model_dir) or {}
     if facts.get("trust_remote_code") and not trust_remote_code:
@@ -118,7 +109,7 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     adapter = (model_dir / "adapter_config.json").is_file()
     processor = None
-    if is_vision_config(model_config_of(model_dir, trust_remote_code)):
+    if takes_images(model_dir, trust_remote_code)[0]:
         processor = _vision_processor(model_dir, adapter, facts.get("revision"), trust_remote_code)
     if processor is not None:
         from transformers import AutoModelForImageTextToText

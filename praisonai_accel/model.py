@@ -42,7 +42,8 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
     """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
     if config.use_unsloth is False:
         return Backend("transformers", reason="use_unsloth: false")
-    if declares_images(config):
+    images = declares_images(config)
+    if images:
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true: vision-language models are trained with transformers + peft here; "
                               "set use_unsloth: auto or false")
@@ -51,6 +52,9 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true needs a CUDA GPU, and none is visible; set use_unsloth: auto or false")
         return Backend("transformers", reason="no CUDA GPU")
+    if images is None and config.use_unsloth is not True:  # unsloth's loader is text-only: not for a model that may
+        return Backend("transformers", reason=f"whether {config.model_name} takes images cannot be told (its "
+                                              "config.json is neither here nor fetched from the Hub)")
     mark_unsloth_ddp(env)
     module, why = import_unsloth()
     if module is None:

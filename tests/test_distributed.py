@@ -145,6 +145,7 @@ def test_unsloth_loads_and_builds_the_peft_model_on_one_path(monkeypatch, world_
         return sys.modules["unsloth"], ""
 
     monkeypatch.setattr(model_module, "import_unsloth", import_unsloth)
+    monkeypatch.setattr(model_module, "declares_images", lambda config: False)  # "m": a text model on the Hub
     config = parse_config({"model_name": "m", "dataset": "d", "lora_r": 4})
     env = DistEnv(rank=world_size - 1, local_rank=world_size - 1, world_size=world_size)
     backend = model_module.choose_backend(config, env, use_cuda=True)

@@ -142,3 +142,49 @@ def test_bad_images_and_images_for_a_text_model_are_one_line(vlm, image, tiny_mo
     assert "cut.png" in _one_line_error(["generate", str(vlm), "-p", "x", "--image", str(truncated)])
     text_only = _one_line_error(["generate", str(tiny_model), "-p", "x", "--image", str(image)])
     assert "holds a text-only model (llama); images need a vision-language model" in text_only
+
+
+def test_whether_a_checkpoint_takes_images_is_one_rule_fetched_from_the_hub_when_not_here(vlm, tmp_path, monkeypatch):
+    """A Hub id not in the cache: its config.json and processor files are fetched (here: a fake Hub serving the
+    tiny Idefics3's folder), so use_unsloth: auto on a GPU never picks unsloth's text-only loader for a VLM; offline
+    and not cached, it cannot be told, and unsloth is not chosen either. The worker, the model card, GGUF / Ollama
+    (inference.takes_images) decide by the same function."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from praisonai_accel import model as model_module
+    from praisonai_accel.config import parse_config
+    from praisonai_accel.data.vision_processor import declares_images, is_vision_checkpoint
+    from praisonai_accel.distributed import DistEnv
+    from praisonai_accel.inference import takes_images
+
+    def fake_hub(folder):
+        def download(repo_id, filename, revision=None, **_):
+            if not (folder / filename).is_file():
+                raise EntryNotFoundError(f"{filename} not in {repo_id}")
+            return str(folder / filename)
+        return download
+
+    def unsloth_imported():
+        raise AssertionError("unsloth was imported for a model that may take images")
+
+    monkeypatch.setattr(model_module, "import_unsloth", unsloth_imported)
+    config = parse_config({"model_name": "someone/tiny-idefics3", "dataset": "d.jsonl"})
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert declares_images(config) is None and is_vision_checkpoint(config) is False
+    backend = model_module.choose_backend(config, DistEnv(), use_cuda=True)
+    assert backend.name == "transformers" and "someone/tiny-idefics3 takes images cannot be told" in backend.reason
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_hub(vlm))
+    assert declares_images(config) is True
+    backend = model_module.choose_backend(config, DistEnv(), use_cuda=True)
+    assert (backend.name, backend.reason) == ("transformers", "a vision-language model")
+    assert takes_images(vlm) == (True, "idefics3")
+    no_processor = tmp_path / "no-processor"
+    no_processor.mkdir()
+    (no_processor / "config.json").write_text((vlm / "config.json").read_text())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_hub(no_processor))
+    assert declares_images(config) is False  # a multimodal checkpoint saved without its processor: text
+    assert declares_images(parse_config({"model_name": str(vlm), "dataset": "d.jsonl",
+                                         "tokenizer_name": str(no_processor)})) is False  # the processor's source

@@ -8,78 +8,92 @@ Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, ...).
 
 from __future__ import annotations
 
-import functools
-
 from ..config import ConfigError
 
 PROCESSOR_ATTRIBUTE = "praisonai_processor"  # the tokenizer of a vision-language model carries its processor here
 
 
-def is_vision_config(model_config) -> bool:
-    """Does this transformers config describe a model that takes images (and text)?"""
+def _image_text_to_text(model_type) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def is_vision_config(model_config) -> bool:
+    """Does this transformers config describe a model that takes images (and text)? (takes_images adds: and its
+    image processor is saved with it)"""
     return (getattr(model_config, "vision_config", None) is not None
-            and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+            and _image_text_to_text(getattr(model_config, "model_type", None)))
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def _checkpoint_file(config, filename: str):
-    """The path of a file of the checkpoint on this machine (its folder, or the Hub cache); False when the
-    checkpoint is here without it; None when the checkpoint is not here (a Hub id not cached)."""
+def checkpoint_file(name: str, filename: str, revision: str | None = None):
+    """A file of a checkpoint as a path here: its folder's, the Hub cache's, or fetched from the Hub (config files
+    are small; not when HF_HUB_OFFLINE). False when the checkpoint has no such file; None when it cannot be known
+    (not here, and the Hub not reachable or not a repo id)."""
     from pathlib import Path
 
-    folder = Path(config.model_name).expanduser()
+    folder = Path(name).expanduser()
     if folder.is_dir():
         return folder / filename if (folder / filename).is_file() else False
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+        from huggingface_hub.errors import EntryNotFoundError
+        from huggingface_hub.file_download import _CACHED_NO_EXIST
 
-        cached = try_to_load_from_cache(config.model_name, filename, revision=config.revision)
-    except Exception:  # not a repo id
+        cached = try_to_load_from_cache(name, filename, revision=revision)
+        if isinstance(cached, str):
+            return Path(cached)
+        if cached is _CACHED_NO_EXIST:
+            return False
+        if constants.HF_HUB_OFFLINE:
+            return None
+        try:
+            return Path(hf_hub_download(name, filename, revision=revision))
+        except EntryNotFoundError:
+            return False
+    except Exception:  # not a repo id, no such repo, the Hub unreachable: loading the model says why
         return None
-    return Path(cached) if isinstance(cached, str) else None
 
 
-def declares_images(config) -> bool | None:
-    """Does the checkpoint take images: its config.json names a vision tower and it ships an image processor? Read
-    from the files (a local folder, or the Hub cache) without importing transformers (unsloth must be imported
-    first); None when they are not here. A multimodal checkpoint saved without its processor trains on text."""
+def takes_images(model: str, revision: str | None = None, processor_sources=None) -> bool | None:
+    """THE rule for whether a checkpoint takes images, everywhere (before launch, the backend, the worker, the model
+    card, GGUF / Ollama, inference): its config.json names a vision tower of an image-text-to-text model
+    (AutoModelForImageTextToText: LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...) and an image processor is saved where its
+    processor is loaded from (`processor_sources`: (name, revision) pairs, any one; default the model). A
+    multimodal checkpoint saved without one trains as text. None when its files cannot be had here.
+
+    Read from files; transformers is imported only for a config with a vision tower and an image processor (a text
+    model's path, unsloth first, is unchanged)."""
     import json
 
-    path = _checkpoint_file(config, "config.json")
+    path = checkpoint_file(model, "config.json", revision)
     if not path:
         return None
     try:
-        if not isinstance(json.loads(path.read_text()).get("vision_config"), dict):
+        model_config = json.loads(path.read_text())
+        if not isinstance(model_config.get("vision_config"), dict):
             return False
     except (OSError, ValueError, AttributeError):
         return None
-    return any(_checkpoint_file(config, name) for name in PROCESSOR_FILES)
+    found = [checkpoint_file(name, filename, rev) for name, rev in (processor_sources or [(model, revision)])
+             for filename in PROCESSOR_FILES]
+    if not any(found):
+        return None if None in found else False
+    return _image_text_to_text(model_config.get("model_type"))
 
 
-@functools.lru_cache(maxsize=8)
-def _vision_checkpoint(name: str, revision: str | None, trust_remote_code: bool) -> bool:
-    from transformers import AutoConfig, AutoProcessor
-
-    try:
-        model_config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-        if not is_vision_config(model_config):
-            return False
-        processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    except Exception:  # not loadable: loading the model says why, in one line
-        return False
-    return getattr(processor, "image_processor", None) is not None
+def declares_images(config) -> bool | None:
+    """takes_images of config.model_name, its processor from tokenizer_name where set (as load_processor reads it)."""
+    source = (config.tokenizer_name, None) if config.tokenizer_name else (config.model_name, config.revision)
+    return takes_images(config.model_name, config.revision, [source])
 
 
 def is_vision_checkpoint(config) -> bool:
-    """Whether config.model_name takes images here (declares_images; a checkpoint not on this machine is asked)."""
-    declared = declares_images(config)
-    if declared is not None:
-        return declared
-    return _vision_checkpoint(config.model_name, config.revision, config.trust_remote_code)
+    """declares_images, where not knowing counts as text (loading the model then says why it cannot)."""
+    return bool(declares_images(config))
 
 
 def load_processor(config):

@@ -23,7 +23,7 @@ from typing import Iterator
 
 from ..checks import final_model_dir_rule, resume_rule, sequence_parallel_rule, vision_rule
 from ..config import ConfigError, TrainConfig
-from ..data.vision_processor import is_vision_checkpoint
+from ..data.vision_processor import declares_images
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..handoff import VERBOSE_ENV
 from ..logs import quiet_libraries
@@ -126,7 +126,7 @@ class Recipe:
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
         sequence_parallel_rule(config, accelerator.num_processes, model.config)
-        vision_rule(config, is_vision_checkpoint(config))
+        vision_rule(config, declares_images(config))
         self.sp = start_groups(config)
 
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,

@@ -156,19 +156,9 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 def _vision_turn_end(processor) -> str | None:
     """end_of_turn_token for a processor's template, which reads typed content parts (<end_of_utterance>, ...)."""
-    from .data.chat_masking import special_strings
+    from .data import end_of_turn_token
 
-    marker = "praisonai-accel-reply"
-    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": marker}]}]
-    try:
-        text = processor.apply_chat_template(messages, tokenize=False)
-    except Exception:  # a template that cannot render this; generation then stops on eos alone
-        return None
-    if marker not in text:
-        return None
-    after = text[text.rindex(marker) + len(marker):].lstrip()
-    return next((token for token in special_strings(processor.tokenizer) if after.startswith(token)), None)
+    return end_of_turn_token(processor.tokenizer, getattr(processor, "chat_template", None), parts=True)
 
 
 def vision_messages(messages: list[dict], images: int) -> list[dict]:

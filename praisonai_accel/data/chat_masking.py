@@ -304,14 +304,17 @@ def special_strings(tokenizer) -> list[str]:
     return sorted((t for t in tokens if t), key=len, reverse=True)
 
 
-def end_of_turn_token(tokenizer) -> str | None:
+def end_of_turn_token(tokenizer, template: str | None = None, parts: bool = False) -> str | None:
     """The control token the chat template writes right after an assistant reply (<|im_end|>, <|eot_id|>, <|end|>,
-    <end_of_turn>, ...): where a chat model stops, whether or not the tokenizer calls it eos."""
+    <end_of_turn>, ...): where a chat model stops, whether or not the tokenizer calls it eos. `template`: another
+    than the tokenizer's (a processor's); `parts`: the template reads typed content parts (a vision model's)."""
     marker = "praisonai-accel-reply"
-    template = getattr(tokenizer, "chat_template", None)
+    template = template or getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return None
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    if parts:
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
     text = _renders(tokenizer, template, messages)
     if not text or marker not in text:
         return None

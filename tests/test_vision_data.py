@@ -452,3 +452,12 @@ def test_fsdp2_wraps_each_vision_encoder_layer_as_a_unit_of_its_own(tiny_vlms, t
     from praisonai_accel.methods.lm_loss import vision_layer_classes
 
     assert vision_layer_classes(AutoModelForCausalLM.from_pretrained(tiny_model)) == set()  # a text model's own list
+
+
+def test_placeholders_are_counted_in_the_conversation_that_trains(tiny_vlms, tmp_path):
+    """check_row counts the images of the conversation formats.to_conversation builds (alpaca's instruction and
+    input joined by a blank line), not of a rebuilt one: "<image" + ">" across the two is no placeholder."""
+    model = _vlm(tiny_vlms, "llava")
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"instruction": "what is <image", "input": "> about", "output": "red"}) + "\n")
+    assert _encoded(_config(model, data, tmp_path))[3].datasets[0].examples == 1

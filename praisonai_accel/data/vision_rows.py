@@ -49,9 +49,7 @@ class VisionSFTData(SFTData):
         problem = check_row(row, fmt, spec)
         if problem or fmt == "text":
             return problem
-        key = {"sharegpt": "conversations", "messages": "messages"}.get(fmt)
-        turns = row[key] if key else [{"content": str(row.get("instruction", "")) + str(row.get("input") or "")}]
-        return check_images(row, turns, base_folder(spec), self.store)
+        return check_images(row, to_conversation(row, fmt, spec).messages, base_folder(spec), self.store)
 
     def encode(self, row: dict, fmt: str, tokenizer=None, config: TrainConfig | None = None,
                spec: DatasetSpec | None = None) -> dict | RowProblem:

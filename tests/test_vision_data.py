@@ -461,3 +461,18 @@ def test_placeholders_are_counted_in_the_conversation_that_trains(tiny_vlms, tmp
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"instruction": "what is <image", "input": "> about", "output": "red"}) + "\n")
     assert _encoded(_config(model, data, tmp_path))[3].datasets[0].examples == 1
+
+
+def test_a_single_image_column_is_images_for_every_check(tiny_model, tiny_vlms, tmp_path):
+    """One `image` per row (as some Hub datasets have) is read as the row's images everywhere: a text model refuses
+    the row, and format text on a VLM cannot place it."""
+    image = shape_records(1, 0, tmp_path / "img")[0]["image"]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>"},
+                                             {"role": "assistant", "content": "red"}], "image": image}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: it has images, and .* takes none"):
+        _encoded(_config(tiny_model, data, tmp_path))
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "a red square", "image": image}) + "\n")
+    with pytest.raises(DataError, match=r"format text cannot place its 'image'"):
+        _encoded(_config(_vlm(tiny_vlms, "llava"), text, tmp_path))

@@ -19,12 +19,13 @@ from .formats import DataError, RowProblem
 
 PLACEHOLDER = "<image>"  # LLaMA-Factory's, in the text of a turn
 IMAGES_COLUMN = "images"
+IMAGE_COLUMNS = (IMAGES_COLUMN, "image")  # TRL's `images`, or one `image` as some Hub datasets have
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 
 def image_values(row: dict) -> list:
     """The row's images, as a list (one value alone, or none)."""
-    value = row.get(IMAGES_COLUMN, row.get("image"))  # TRL's `images`, or one `image` as some Hub datasets have
+    value = next((row[name] for name in IMAGE_COLUMNS if name in row), None)
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]

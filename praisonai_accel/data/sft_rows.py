@@ -9,6 +9,7 @@ from ..errors import first_line
 from .chat_masking import MaskingPlan, plan_masking
 from .encoding import count_targets, encode_chat, encode_text
 from .formats import TOO_LONG, RowProblem, check_row, detect_format, to_conversation
+from .images import image_values
 from .masking_check import MaskingReport, check_masking
 from .templates import dropped_by_template, template_label
 
@@ -25,7 +26,7 @@ class SFTData:
         return detect_format(columns, spec)
 
     def check_row(self, row: dict, fmt: str, spec: DatasetSpec) -> RowProblem | None:
-        if isinstance(row, dict) and row.get("images"):  # vision_rows.VisionSFTData trains them
+        if isinstance(row, dict) and image_values(row):  # vision_rows.VisionSFTData trains them
             return RowProblem("images for a text model", f"it has images, and {self.config.model_name} takes none (no "
                                                          "vision tower, or no image processor saved with it)")
         return check_row(row, fmt, spec)

@@ -21,7 +21,7 @@ from .chat_masking import IGNORE_INDEX, encode_conversation
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem, check_row, to_conversation
 from .images import (
-    IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_references, image_size,
+    IMAGE_COLUMNS, IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_references, image_size,
     image_values, open_images, with_image_parts,
 )
 from .sft_rows import SFTData
@@ -40,8 +40,9 @@ class VisionSFTData(SFTData):
 
     def detect_format(self, columns: list[str], spec: DatasetSpec) -> str:
         fmt = super().detect_format(columns, spec)
-        if fmt == "text" and IMAGES_COLUMN in columns:
-            raise DataError(f"dataset {spec.name}: format text cannot place its '{IMAGES_COLUMN}'; write the rows as "
+        column = next((name for name in IMAGE_COLUMNS if name in columns), None)
+        if fmt == "text" and column:
+            raise DataError(f"dataset {spec.name}: format text cannot place its '{column}'; write the rows as "
                             "messages with {\"type\": \"image\"} parts or <image> placeholders")
         return fmt
 

@@ -21,8 +21,8 @@ from .chat_masking import IGNORE_INDEX, encode_conversation
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem, check_row, to_conversation
 from .images import (
-    IMAGE_COLUMNS, IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_references, image_size,
-    image_values, open_images, with_image_parts,
+    IMAGE_COLUMNS, IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_references,
+    image_size, image_values, open_images, with_image_parts,
 )
 from .sft_rows import SFTData
 from .templates import template_label
@@ -101,12 +101,19 @@ def processor_ids(processor, text: str, sizes: list[tuple[int, int]]) -> list[in
     return [int(i) for i in out["input_ids"][0]]
 
 
+def image_feature_ids(processor) -> set[int]:
+    """The ids of the tokens an image's features replace (one per feature)."""
+    return {i for i in (getattr(processor, "image_token_ids", None) or [getattr(processor, "image_token_id", None)])
+            if isinstance(i, int)}
+
+
 def image_token_ids(processor) -> set[int]:
+    """Every token of an image: its feature tokens and the markers around them (begin / end of image); never
+    trained."""
     tokenizer = processor.tokenizer
     tokens = {getattr(processor, name, None) for name in ("image_token", "boi_token", "eoi_token")}
     tokens |= {getattr(tokenizer, name, None) for name in ("image_token", "boi_token", "eoi_token")}
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokens if isinstance(t, str)}
-    ids |= {getattr(processor, "image_token_id", None), *(getattr(processor, "image_token_ids", None) or [])}
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokens if isinstance(t, str)} | image_feature_ids(processor)
     return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
@@ -152,11 +159,7 @@ class VisionCollator:
 def image_spans(processor, input_ids: list[int], paths: list[str]) -> list[tuple[int, int, str]]:
     """Where each image of an encoded example is: (start, end, `<image 1: 448x448 -> 256 tokens>`), from its first
     to its last image token (the tokens between, such as Idefics3's tile markers, with it). For `preview`."""
-    from pathlib import Path
-
-    from .images import image_size
-
-    feature_ids = set(getattr(processor, "image_token_ids", None) or [processor.image_token_id])
+    feature_ids = image_feature_ids(processor)
     spans, cursor = [], 0
     for number, path in enumerate(paths, 1):
         size = image_size(Path(path), number)

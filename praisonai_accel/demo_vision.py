@@ -247,8 +247,11 @@ def shape_splits(image_dir: Path, train: int = 256, held_out: int = 64, seed: in
 
 
 def prompt_messages(record: dict) -> list[dict]:
-    """The user turn of a record in TRL's vision format: an image part, then the question."""
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": record["question"]}]}]
+    """The user turn of a record in TRL's vision format: an image part, then the question (as inference places
+    the images of a prompt)."""
+    from .inference import vision_messages
+
+    return vision_messages([{"role": "user", "content": record["question"]}], 1)
 
 
 def trl_rows(records: list[dict]) -> list[dict]:
@@ -267,31 +270,15 @@ def llamafactory_rows(records: list[dict]) -> list[dict]:
 
 def held_out_answers(model, processor, records: list[dict], image_root: Path, max_new_tokens: int = 8,
                      batch_size: int = 32) -> list[str]:
-    """Greedy answers to every record's question about its image, in left-padded batches through the processor
-    (stopping where inference.generate stops: inference.stop_token_ids)."""
-    import torch
+    """Greedy answers to every record's question about its image, in left-padded batches
+    (inference.generate_batch: what `generate --image` runs, a batch at a time)."""
+    from .inference import generate_batch, read_image
 
-    from .inference import read_image, stop_token_ids
-
-    tokenizer = processor.tokenizer
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    stops = stop_token_ids(model, processor)
     answers: list[str] = []
-    try:
-        for start in range(0, len(records), batch_size):
-            chunk = records[start:start + batch_size]
-            prompts = [processor.apply_chat_template(prompt_messages(r), tokenize=False, add_generation_prompt=True)
-                       for r in chunk]
-            images = [[read_image(Path(image_root) / r["image"])] for r in chunk]
-            inputs = processor(text=prompts, images=images, return_tensors="pt", padding=True,
-                               add_special_tokens=False).to(model.device, dtype=model.dtype)
-            with torch.no_grad():
-                output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
-            answers += [tokenizer.decode(row, skip_special_tokens=True).strip()
-                        for row in output[:, inputs["input_ids"].shape[1]:]]
-    finally:
-        tokenizer.padding_side = padding_side
+    for start in range(0, len(records), batch_size):
+        chunk = records[start:start + batch_size]
+        answers += generate_batch(model, processor, [[{"role": "user", "content": r["question"]}] for r in chunk],
+                                  max_new_tokens, images=[[read_image(Path(image_root) / r["image"])] for r in chunk])
     return answers
 
 

@@ -179,25 +179,41 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 128, 
              images: list | None = None) -> str:
     """The reply to `messages`; `images` (PIL images) go with the first user turn, through the processor that
     load_for_inference returned for a vision-language model."""
+    return generate_batch(model, tokenizer, [messages], max_new_tokens, temperature,
+                          [images] if images else None)[0]
+
+
+def generate_batch(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 128,
+                   temperature: float = 0.0, images: list[list] | None = None) -> list[str]:
+    """The replies to several conversations at once, left-padded; `images`: each conversation's images (PIL),
+    with its first user turn, through a vision-language model's processor."""
     import torch
 
-    if is_processor(tokenizer):
-        prompt = tokenizer.apply_chat_template(vision_messages(messages, len(images or [])), tokenize=False,
-                                               add_generation_prompt=True)
-        inputs = tokenizer(text=[prompt], images=[list(images)] if images else None, return_tensors="pt",
-                           add_special_tokens=False)
-        text_tokenizer = tokenizer.tokenizer
-    else:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-        text_tokenizer = tokenizer
-    # a processor's pixel values come as float32; they go in the model's dtype (to() casts only floating tensors)
-    inputs = inputs.to(model.device, dtype=model.dtype) if is_processor(tokenizer) else inputs.to(model.device)
+    vision = is_processor(tokenizer)
+    text_tokenizer = tokenizer.tokenizer if vision else tokenizer
+    padding_side, text_tokenizer.padding_side = text_tokenizer.padding_side, "left"
+    try:
+        if vision:
+            counts = [len(i) for i in images] if images else [0] * len(conversations)
+            prompts = [tokenizer.apply_chat_template(vision_messages(m, n), tokenize=False, add_generation_prompt=True)
+                       for m, n in zip(conversations, counts)]
+            inputs = tokenizer(text=prompts, images=[list(i) for i in images] if images else None,
+                               return_tensors="pt", padding=len(prompts) > 1, add_special_tokens=False)
+            # a processor's pixel values come as float32; they go in the model's dtype (to() casts floats alone)
+            inputs = inputs.to(model.device, dtype=model.dtype)
+        else:
+            prompts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                       for m in conversations]
+            inputs = tokenizer(prompts, return_tensors="pt", padding=len(prompts) > 1,
+                               add_special_tokens=False).to(model.device)
+    finally:
+        text_tokenizer.padding_side = padding_side
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=text_tokenizer.pad_token_id,
                                 eos_token_id=stop_token_ids(model, tokenizer), **sampling)
-    return text_tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return [text_tokenizer.decode(row, skip_special_tokens=True).strip()
+            for row in output[:, inputs["input_ids"].shape[1]:]]
 
 
 def read_image(path: Path):

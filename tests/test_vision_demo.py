@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from conftest import cli
 from praisonai_accel.cli import app
 from praisonai_accel.config import parse_config
-from praisonai_accel.demo_vision import (exact_match, held_out_answers, make_tiny_vlm, shape_records,
+from praisonai_accel.demo_vision import (held_out_answers, make_tiny_vlm, shape_records,
                                          vision_demo_config)
 
 
@@ -43,7 +43,6 @@ def test_held_out_answers_are_one_per_image_and_scored_exactly(tmp_path):
     one = generate(model, processor, [{"role": "user", "content": records[3]["question"]}], max_new_tokens=8,
                    images=[read_image(tmp_path / records[3]["image"])])
     assert answers[3] == one  # the batch answers as inference.generate does, one at a time
-    assert exact_match([r["answer"] for r in records], records) == 1.0
 
 
 def test_demo_vision_with_another_method_is_one_line(tmp_path):

@@ -46,6 +46,19 @@ def alpaca_file(tmp_path_factory) -> Path:
 _SHARED_PREPARED: list[Path] = []
 
 
+@pytest.fixture(autouse=True)
+def _restore_our_logger():
+    """A command run in process (CliRunner) gives the praisonai_accel logger a stderr handler and stops it
+    propagating (logs.show_progress_lines): put it back, or a later test's caplog sees nothing and the handler writes
+    to a stream pytest has closed."""
+    import logging
+
+    log = logging.getLogger("praisonai_accel")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_preprocessing_cache(tmp_path_factory) -> Path:
     """One dataset_prepared_path for the session: runs that tokenize the same data the same way (most of them)

@@ -8,7 +8,9 @@ from typing import Optional
 import typer
 import yaml
 
-from ..checks import device_map_rule, final_model_dir_rule, reentrant_rule, resume_rule, sequence_parallel_rule
+from ..checks import (
+    device_map_rule, final_model_dir_rule, generation_rule, reentrant_rule, resume_rule, sequence_parallel_rule,
+)
 from ..config import load_config
 from ..errors import first_line
 from ..launcher.prelaunch import (
@@ -29,6 +31,7 @@ def check_before_launch(config, num_processes: int) -> str:
     reentrant_rule(config, num_processes)
     if config.sequence_parallel_size > 1:
         sequence_parallel_rule(config, num_processes, local_model_config(config))
+    generation_rule(config)
     final_model_dir_rule(config)
     return describe_start(config, num_processes)
 

@@ -72,6 +72,16 @@ class TrainingMethod:
         """The logged values of metric sums gathered over micro-batches and ranks: means over units by default."""
         return {name: value / max(units, 1) for name, value in sorted(sums.items())}
 
+    def loader_batch_size(self, per_device_train_batch_size: int) -> int:
+        """Examples per micro-batch of each rank's loader (GRPO's per_device_train_batch_size counts completions, its
+        loader yields prompts)."""
+        return per_device_train_batch_size
+
+    def rollout(self, accelerator, module, group: list[dict], global_step: int) -> list[dict]:
+        """Called before each optimizer step with its micro-batches (`global_step`: the steps already taken); returns
+        the micro-batches to train on. An online method generates and scores its examples here (GRPO)."""
+        return group
+
     def before_training(self, accelerator, module, dataset, collate, output_dir):
         """Called once the module is prepared and before the first step (or the first step after a resume); returns
         the dataset to train on (a method may attach what it computed once, such as reference log-probs)."""

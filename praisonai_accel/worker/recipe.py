@@ -130,7 +130,8 @@ class Recipe:
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
                                                                          self.method.data(self.tokenizer))
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
-        loader = train_loader(config, train_data, self.collate, self.packing)
+        loader_batch = self.method.loader_batch_size(config.per_device_train_batch_size)
+        loader = train_loader(config, train_data, self.collate, self.packing, loader_batch)
         loss_module = self.method.loss_module(model, accelerator=accelerator, tokenizer=self.tokenizer, use_cuda=use_cuda)
         self.flop_counts = flop_counts(model)
         if self.reentrant and accelerator.num_processes > 1:
@@ -141,7 +142,7 @@ class Recipe:
         prepared = self.method.before_training(accelerator, self.model, train_data, self.collate, self.output_dir)
         if prepared is not train_data:  # the method attached what it computed once (reference log-probs)
             accelerator._dataloaders.remove(self.loader)  # one loader, as in a run without it: checkpoints agree
-            self.loader = accelerator.prepare(train_loader(config, prepared, self.collate, self.packing))
+            self.loader = accelerator.prepare(train_loader(config, prepared, self.collate, self.packing, loader_batch))
         self.parameter_bytes = parameter_bytes(self.model)
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
         self.scheduler = build_scheduler(config, self.optimizer, self.total_steps)
@@ -239,6 +240,7 @@ class Recipe:
                 batches = self._epoch_batches(state.epoch)
                 batches_per_epoch = len(self.loader)
                 for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
+                    group = self.method.rollout(accelerator, self.model, group, state.global_step)
                     step = optimizer_step(accelerator, self.model, self.optimizer, self.scheduler, self.method, group,
                                           config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop_requested,
                                           self.sp)

@@ -1,0 +1,193 @@
+"""GRPO (online RL from the user's reward functions) as a training method: TRL's GRPOTrainer's meaning, in the seam.
+
+Each rank's loader yields per_device_train_batch_size / num_generations prompts per micro-batch, so a prompt's
+whole group is generated, scored and normalised on one rank and the advantages need no gather. Before each
+optimizer step the recipe calls `rollout` with the step's micro-batches of prompts; for each, the policy being
+trained (LoRA adapters active, eval mode, no gradients, KV cache) samples num_generations completions per prompt
+(generation.py), the reward functions score them (rewards.py), advantages are group-normalised (grpo_loss.py), and
+with beta > 0 the reference's log-probs are taken. The micro-batch then holds prompt + completion rows whose
+labels are the trained completion tokens; `forward` takes the policy's log-probs at those positions only and
+returns grpo_loss.policy_loss's sum, whose units (tokens, completions, ...) `units` reads from the batch.
+
+Sampling draws from a torch.Generator seeded from (seed, the step about to be trained, process index, micro-batch):
+the step is in every checkpoint and the weights, data order and RNG are restored exactly, so a resumed run samples
+exactly what the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import torch
+
+from . import grpo_data, grpo_loss
+from .base import TrainingMethod
+
+log = logging.getLogger("praisonai_accel")
+FILLER = "filler"
+ROLLED = "completion_mask"  # a batch that has been through the rollout holds it
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def reward_names(config) -> list[str]:
+    """The name each reward function is logged under (rewards/<name>/mean): the function's own name, as TRL."""
+    return [spec.strip().replace(":", ".").rsplit(".", 1)[-1] for spec in config.reward_funcs or []]
+
+
+def rollout_metric_names(names) -> tuple[str, ...]:
+    per_function = tuple(f"{kind}/{name}" for name in names for kind in ("sum", "sumsq", "count"))
+    return ("sum/reward", "sum/group_std", "sum/length", "count/completions", "count/groups") + per_function
+
+
+def sampling_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+class GRPO(TrainingMethod):
+    name = "grpo"
+    supports_sequence_parallel = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        from ..checks import generation_rule
+
+        generation_rule(config)
+        self.unit = {"grpo": "completions", "dr_grpo": "completions x max_completion_length"}.get(
+            config.loss_type, "completion tokens")
+        self.names = reward_names(config)
+        self.metric_names = (grpo_loss.TOKENS, *grpo_loss.TOKEN_MEANS, *rollout_metric_names(self.names))
+        self.reward_functions = None  # loaded with the loss module (rewards.load_reward_functions)
+        self.tokenizer = None
+        self.accelerator = None
+        self.stop_ids: list[int] = []
+        self.pad_token_id = 0
+        self._eval_batches = 0
+        self._last_step = 0
+        self._trimmed = False
+
+    # ---------------------------------------------------------------- data
+    def data(self, tokenizer):
+        return grpo_data.GRPOData(tokenizer, self.config)
+
+    def loader_batch_size(self, per_device_train_batch_size: int) -> int:
+        return per_device_train_batch_size // self.config.num_generations  # prompts; it counts completions
+
+    def collator(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+        return functools.partial(self.collate, pad_token_id=pad_token_id)
+
+    @staticmethod
+    def collate(examples: list[dict], pad_token_id: int) -> dict:
+        batch = grpo_data.collate_prompts(examples, pad_token_id)
+        if any(FILLER in e for e in examples):
+            batch[FILLER] = True
+        return batch
+
+    def filler(self, example: dict) -> dict:
+        return {**example, FILLER: True}
+
+    def examples_in(self, batch: dict) -> int:
+        return int(batch["prompts"]) if ROLLED in batch else len(batch["input_ids"])
+
+    def units(self, batch: dict):
+        if batch.get(FILLER) or ROLLED not in batch:
+            return 0
+        return batch["units"]
+
+    # ---------------------------------------------------------------- the module
+    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
+        from ..inference import stop_token_ids
+        from .grpo_module import GRPOLoss
+        from .sft import settle_chunking
+
+        self.accelerator, self.tokenizer = accelerator, tokenizer
+        self.stop_ids = stop_token_ids(causal_lm, tokenizer)
+        if self.reward_functions is None:
+            from .rewards import load_reward_functions
+
+            self.reward_functions = load_reward_functions(self.config)
+        return settle_chunking(GRPOLoss(causal_lm, self.config, self.config.chunked_loss), accelerator, tokenizer)
+
+    def forward(self, module, batch: dict):
+        if ROLLED not in batch:  # evaluation: its prompts are rolled out here (in place, so units() sees them)
+            batch.update(self.rollout(self.accelerator, module, [batch], None)[0])
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels", ROLLED, "advantages",
+                                         "old_logps", "ref_logps") if k in batch}
+        loss, metrics = module(**inputs)
+        metrics = {**metrics, **batch["rollout_sums"]}
+        if batch.get(FILLER):
+            return loss * 0, {name: value * 0 for name, value in metrics.items()}
+        return loss, metrics
+
+    def reduce_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        """TRL's logged means from sums over micro-batches and ranks: rewards over completions (each function over
+        the completions it scored, None left out), reward_std over groups, kl and clip_ratio over tokens."""
+        out = grpo_loss.token_means(sums)
+        completions = max(sums.get("count/completions", 0.0), 1.0)
+        out["reward"] = sums.get("sum/reward", 0.0) / completions
+        out["reward_std"] = sums.get("sum/group_std", 0.0) / max(sums.get("count/groups", 0.0), 1.0)
+        out["completions/mean_length"] = sums.get("sum/length", 0.0) / completions
+        for name in self.names:
+            n, total, squares = (sums.get(f"{kind}/{name}", 0.0) for kind in ("count", "sum", "sumsq"))
+            if n:
+                out[f"rewards/{name}/mean"] = total / n
+                out[f"rewards/{name}/std"] = max(squares - total * total / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 \
+                    if n > 1 else 0.0
+        return out
+
+    # ---------------------------------------------------------------- rollouts
+    def rollout(self, accelerator, module, group: list[dict], global_step: int | None) -> list[dict]:
+        """The step's micro-batches of prompts -> micro-batches of scored completions. `global_step`: the steps
+        already taken (None: evaluation's prompts)."""
+        from . import rollout as rollouts
+
+        if global_step is not None:
+            self._last_step = global_step
+            self._eval_batches = 0
+        config = self.config
+        was_training = module.training
+        module.eval()
+        try:
+            scored = []
+            for index, batch in enumerate(group):
+                if global_step is None:
+                    key = ("eval", self._last_step, accelerator.process_index, self._eval_batches)
+                    self._eval_batches += 1
+                else:
+                    key = (global_step, accelerator.process_index, index)
+                generator = torch.Generator(device=accelerator.device).manual_seed(sampling_seed(config.seed, *key))
+                scored.append(rollouts.generate_and_score(self, accelerator, module, batch, generator))
+            rollouts.set_advantages(self, accelerator, scored)
+            for batch in scored:
+                rollouts.add_reference(self, module, batch)
+        finally:
+            module.train(was_training)
+        if global_step is not None and accelerator.is_main_process and config.log_completions \
+                and (global_step + 1) % config.logging_steps == 0:
+            self._log_completions(global_step + 1, scored[0])
+        return scored
+
+    def _log_completions(self, step: int, batch: dict) -> None:
+        """A few prompts with their completions and rewards in output_dir/logs/completions.jsonl (rank 0's first
+        micro-batch of the step); a resumed run first drops what an interrupted run wrote after its checkpoint."""
+        path = self.config.output_path() / "logs" / COMPLETIONS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._trimmed:
+            self._trimmed = True
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and _step_of(line) is not None and _step_of(line) < step]
+                path.write_text("".join(line + "\n" for line in kept))
+        records = batch["log_records"][:self.config.num_completions_to_print]
+        with open(path, "a") as f:
+            for record in records:
+                f.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

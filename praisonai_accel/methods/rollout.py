@@ -1,0 +1,130 @@
+"""One micro-batch of prompts -> completions sampled, scored, given advantages and (beta > 0) reference log-probs.
+
+Generation goes through the unwrapped policy under DDP or on one process (each rank stops when its own rows have
+ended), and through the prepared module under FSDP2, whose every forward all-gathers weights: there the ranks agree
+after each token whether all of them are done (one all-reduce of a flag), so they run the same number of forwards.
+Reference log-probs go through the prepared module on every rank alike (one forward per micro-batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grpo_loss
+from .generation import positions_of, sample_completions
+
+FILLER = "filler"
+
+
+def _generation_forward(accelerator, module):
+    if accelerator.distributed_type.name == "FSDP":
+        def forward(ids, mask, positions, past):
+            return module(input_ids=ids, attention_mask=mask, position_ids=positions, past=past, mode="decode")
+
+        def all_done(finished: bool) -> bool:
+            flag = torch.tensor([0.0 if finished else 1.0], device=accelerator.device)
+            return bool(accelerator.reduce(flag, "sum")[0] == 0)
+
+        return forward, all_done
+    return accelerator.unwrap_model(module).decode, None
+
+
+def _where(config, numbers) -> str:
+    source, is_line, number = (int(x) for x in numbers)
+    name = config.dataset[source].name if source < len(config.dataset) else "dataset"
+    return f"dataset {name} {'line' if is_line else 'row index'} {number}"
+
+
+def generate_and_score(method, accelerator, module, batch: dict, generator: torch.Generator) -> dict:
+    from .rewards import score
+
+    config, tokenizer = method.config, method.tokenizer
+    g = config.num_generations
+    device = accelerator.device
+    prompt_ids = batch["input_ids"].to(device).repeat_interleave(g, 0)
+    prompt_mask = batch["attention_mask"].to(device).repeat_interleave(g, 0)
+    forward, all_done = _generation_forward(accelerator, module)
+    with torch.no_grad(), accelerator.autocast():
+        completions, keep, ended = sample_completions(
+            forward, prompt_ids, prompt_mask, max_new_tokens=config.max_completion_length,
+            temperature=config.temperature, top_p=config.top_p, stop_ids=method.stop_ids, pad_id=method.pad_token_id,
+            generator=generator, all_done=all_done)
+    loss_mask = keep & ended[:, None] if config.mask_truncated_completions else keep
+    input_ids = torch.cat([prompt_ids, completions], dim=1)
+    attention_mask = torch.cat([prompt_mask, keep.long()], dim=1)
+    labels = torch.full_like(input_ids, -100)
+    labels[:, prompt_ids.size(1):] = completions.masked_fill(~loss_mask, -100)
+
+    rows = batch["rows"]
+    texts = tokenizer.batch_decode([c[k].tolist() for c, k in zip(completions, keep)], skip_special_tokens=True)
+    prompts = [row["prompt"] for row in rows for _ in range(g)]
+    conversational = [isinstance(p, list) for p in prompts]
+    completion_values = [[{"role": "assistant", "content": t}] if conv else t for t, conv in zip(texts, conversational)]
+    column_names = sorted({k for row in rows for k in row if k != "prompt"})
+    columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in column_names}
+    where = [_where(config, n) for n in batch["row_numbers"].tolist() for _ in range(g)]
+    ids = [c[k].tolist() for c, k in zip(completions, keep)]
+    rewards = torch.as_tensor(score(method.reward_functions, prompts, completion_values, ids, columns, where),
+                              dtype=torch.float32, device=device).reshape(len(texts), -1)
+    weights = torch.as_tensor([f.weight for f in method.reward_functions], dtype=torch.float32, device=device)
+    total = grpo_loss.weighted_rewards(rewards, weights)
+
+    settings = {"loss_type": config.loss_type, "beta": 0.0, "epsilon_low": config.epsilon,
+                "epsilon_high": config.epsilon_high, "max_completion_length": config.max_completion_length}
+    zeros = torch.zeros(loss_mask.shape, device=device)
+    units = grpo_loss.policy_loss(zeros, None, None, zeros[:, 0], loss_mask, **settings)[1]
+    sums = {"sum/reward": torch.nansum(total), "sum/length": keep.sum().float(),
+            "count/completions": torch.tensor(float(len(texts)), device=device),
+            "sum/group_std": torch.nan_to_num(grpo_loss.nanstd(total.view(-1, g), dim=1), nan=0.0).sum(),
+            "count/groups": torch.tensor(float(len(rows)), device=device)}
+    for f, name in enumerate(method.names):
+        column = rewards[:, f]
+        valid = ~torch.isnan(column)
+        sums[f"sum/{name}"] = column[valid].sum()
+        sums[f"sumsq/{name}"] = (column[valid] ** 2).sum()
+        sums[f"count/{name}"] = valid.sum().float()
+    records = [{"prompt": prompts[i], "completion": texts[i],
+                "rewards": {name: _number(rewards[i, f]) for f, name in enumerate(method.names)},
+                "reward": _number(total[i])} for i in range(len(texts))]
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": positions_of(attention_mask),
+           "labels": labels, "completion_mask": loss_mask, "total_rewards": total, "units": units,
+           "prompts": len(rows), "rollout_sums": sums, "log_records": records,
+           "completion_digest": _digest(completions, keep)}
+    if batch.get(FILLER):
+        out[FILLER] = True
+    return out
+
+
+def set_advantages(method, accelerator, scored: list[dict]) -> None:
+    """Group-normalised advantages of every micro-batch; scale_rewards: batch divides by the std of the whole
+    step's rewards over all ranks (summed moments: one all-reduce, as every rank makes it)."""
+    config = method.config
+    batch_std = None
+    if config.scale_rewards == "batch":
+        moments = sum(grpo_loss.reward_moments(b["total_rewards"]) * (0.0 if b.get(FILLER) else 1.0) for b in scored)
+        batch_std = grpo_loss.std_from_moments(accelerator.reduce(moments.to(accelerator.device), "sum"))
+    for b in scored:
+        advantages, _ = grpo_loss.group_advantages(b["total_rewards"], config.num_generations, config.scale_rewards,
+                                                   batch_std=batch_std)
+        b["advantages"] = advantages
+        for record, advantage in zip(b["log_records"], advantages.tolist()):
+            record["advantage"] = advantage
+
+
+def add_reference(method, module, batch: dict) -> None:
+    if method.config.beta <= 0:
+        return
+    batch["ref_logps"] = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                position_ids=batch["position_ids"], labels=batch["labels"],
+                                completion_mask=batch["completion_mask"], mode="logps", reference=True)
+
+
+def _number(value: torch.Tensor):
+    value = float(value)
+    return None if value != value else value
+
+
+def _digest(completions: torch.Tensor, keep: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(completions.masked_fill(~keep, -1).cpu().numpy().tobytes()).hexdigest()[:16]

@@ -5,7 +5,7 @@ small models generate's per-token bookkeeping (logits processors, stopping crite
 the model's forward. Prompts are left-padded, so every row's next token is in the last column; position ids count
 real tokens only (as generate computes them), and the training forward uses the same positions.
 
-Sampling draws from a torch.Generator the caller seeds; `forward` is how the model is called (the unwrapped model,
+Sampling draws from torch.Generators the caller seeds (one per prompt's group, or one for the batch); `forward` is how the model is called (the unwrapped model,
 or, under FSDP2, the prepared module, whose every forward is a collective); `all_done` (FSDP2) tells whether every
 rank has finished, so a rank whose rows ended keeps running forwards until all have (TRL's synced_gpus).
 """
@@ -22,9 +22,10 @@ def positions_of(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-                ) -> torch.Tensor:
-    """One token per row from logits [N, V]: temperature, then nucleus (top_p) filtering, then a draw."""
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generators) -> torch.Tensor:
+    """One token per row from logits [N, V]: temperature, then nucleus (top_p) filtering, then a draw. `generators`:
+    one torch.Generator for the whole batch, or a list of them, one per equal slice of rows (a prompt's group): a
+    group's draws then depend on its own generator and rows alone, whatever else is in the batch."""
     logits = logits.float() / temperature
     if top_p < 1.0:
         ordered, order = logits.sort(dim=-1, descending=True)
@@ -33,7 +34,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         drop = (probs.cumsum(-1) - probs) > top_p
         ordered = ordered.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(-1)
+    if not isinstance(generators, (list, tuple)):
+        return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
+    size = probs.size(0) // len(generators)
+    return torch.cat([torch.multinomial(probs[i * size:(i + 1) * size], 1, generator=g)
+                      for i, g in enumerate(generators)]).squeeze(-1)
 
 
 def completion_mask(completions: torch.Tensor, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +55,7 @@ def completion_mask(completions: torch.Tensor, stop_ids: torch.Tensor) -> tuple[
 @torch.no_grad()
 def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                        max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int], pad_id: int,
-                       generator: torch.Generator | None, all_done: Callable[[bool], bool] | None = None):
+                       generators, all_done: Callable[[bool], bool] | None = None):
     """Sample a completion for every (left-padded) prompt row. `forward(input_ids, attention_mask, position_ids,
     past) -> (logits of the last position [N, V], past)`. Returns (completion ids [N, C] padded with pad_id after
     the stop, mask [N, C], ended [N])."""
@@ -61,7 +67,7 @@ def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask:
     done = torch.zeros(prompt_ids.size(0), dtype=torch.bool, device=prompt_ids.device)
     tokens = []
     for t in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_p, generator)
+        token = sample_next(logits, temperature, top_p, generators)
         token = token.masked_fill(done, pad_id)
         tokens.append(token)
         done |= torch.isin(token, stops)
@@ -96,7 +102,7 @@ def model_forward(model) -> Callable:
     return forward
 
 
-def naive_sample(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, stop_ids, pad_id, generator):
+def naive_sample(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, stop_ids, pad_id, generators):
     """The reference for tests: the same draws without a cache, the whole sequence through the model each token."""
     def forward(input_ids, attention_mask, position_ids, past):
         ids = input_ids if past is None else torch.cat([past, input_ids], dim=1)
@@ -105,4 +111,4 @@ def naive_sample(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature,
         return logits[:, -1], ids
 
     return sample_completions(forward, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, generator=generator)
+                              top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, generators=generators)

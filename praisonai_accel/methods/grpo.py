@@ -9,15 +9,15 @@ with beta > 0 the reference's log-probs are taken. The micro-batch then holds pr
 labels are the trained completion tokens; `forward` takes the policy's log-probs at those positions only and
 returns grpo_loss.policy_loss's sum, whose units (tokens, completions, ...) `units` reads from the batch.
 
-Sampling draws from a torch.Generator seeded from (seed, the step about to be trained, process index, micro-batch):
-the step is in every checkpoint and the weights, data order and RNG are restored exactly, so a resumed run samples
-exactly what the uninterrupted one would have.
+Each prompt's group samples from its own torch.Generator, seeded from (seed, the steps already taken, the prompt's
+dataset row): the step is in every checkpoint, and weights and data order are restored exactly, so a resumed run
+samples exactly what the uninterrupted one would have; and since a group's draws depend on nothing else in its
+batch, 2 ranks x B prompts sample the completions of 1 rank x 2B.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import torch
@@ -39,10 +39,6 @@ def reward_names(config) -> list[str]:
 def rollout_metric_names(names) -> tuple[str, ...]:
     per_function = tuple(f"{kind}/{name}" for name in names for kind in ("sum", "sumsq", "count"))
     return ("sum/reward", "sum/group_std", "sum/length", "count/completions", "count/groups") + per_function
-
-
-def sampling_seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
 class GRPO(TrainingMethod):
@@ -151,14 +147,13 @@ class GRPO(TrainingMethod):
         module.eval()
         try:
             scored = []
-            for index, batch in enumerate(group):
+            for batch in group:
                 if global_step is None:
-                    key = ("eval", self._last_step, accelerator.process_index, self._eval_batches)
+                    key = ("eval", self._last_step, self._eval_batches)
                     self._eval_batches += 1
                 else:
-                    key = (global_step, accelerator.process_index, index)
-                generator = torch.Generator(device=accelerator.device).manual_seed(sampling_seed(config.seed, *key))
-                scored.append(rollouts.generate_and_score(self, accelerator, module, batch, generator))
+                    key = (global_step,)
+                scored.append(rollouts.generate_and_score(self, accelerator, module, batch, (config.seed, *key)))
             rollouts.set_advantages(self, accelerator, scored)
             for batch in scored:
                 rollouts.add_reference(self, module, batch)

@@ -8,6 +8,8 @@ Reference log-probs go through the prepared module on every rank alike (one forw
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from . import grpo_loss
@@ -35,7 +37,12 @@ def _where(config, numbers) -> str:
     return f"dataset {name} {'line' if is_line else 'row index'} {number}"
 
 
-def generate_and_score(method, accelerator, module, batch: dict, generator: torch.Generator) -> dict:
+def sampling_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+def generate_and_score(method, accelerator, module, batch: dict, key: tuple) -> dict:
+    """`key`: what, with a prompt's row number, seeds its group's generator ((seed, step), or evaluation's)."""
     from .rewards import score
 
     config, tokenizer = method.config, method.tokenizer
@@ -44,11 +51,13 @@ def generate_and_score(method, accelerator, module, batch: dict, generator: torc
     prompt_ids = batch["input_ids"].to(device).repeat_interleave(g, 0)
     prompt_mask = batch["attention_mask"].to(device).repeat_interleave(g, 0)
     forward, all_done = _generation_forward(accelerator, module)
+    generators = [torch.Generator(device=device).manual_seed(sampling_seed(*key, *row)) for row in
+                  batch["row_numbers"].tolist()]
     with torch.no_grad(), accelerator.autocast():
         completions, keep, ended = sample_completions(
             forward, prompt_ids, prompt_mask, max_new_tokens=config.max_completion_length,
             temperature=config.temperature, top_p=config.top_p, stop_ids=method.stop_ids, pad_id=method.pad_token_id,
-            generator=generator, all_done=all_done)
+            generators=generators, all_done=all_done)
     loss_mask = keep & ended[:, None] if config.mask_truncated_completions else keep
     input_ids = torch.cat([prompt_ids, completions], dim=1)
     attention_mask = torch.cat([prompt_mask, keep.long()], dim=1)
@@ -125,6 +134,4 @@ def _number(value: torch.Tensor):
 
 
 def _digest(completions: torch.Tensor, keep: torch.Tensor) -> str:
-    import hashlib
-
     return hashlib.sha256(completions.masked_fill(~keep, -1).cpu().numpy().tobytes()).hexdigest()[:16]

@@ -1,0 +1,119 @@
+"""GRPO in process, without the recipe (the real processes are test_grpo_runs.py):
+
+- sampling (methods/generation.py): the KV-cache loop draws exactly what a loop without a cache draws from the same
+  generators; a group's draws do not depend on the rest of the batch; temperature -> 0 is argmax, top_p -> 0 too;
+  completions stop at the stop token (padded after it) and at max_completion_length;
+- data (methods/grpo_data.py): a conversational prompt is the chat template's rendering with the generation prompt,
+  prompts are cut from the left, a row without a usable prompt is named;
+- a rollout through the loss module: deterministic given seed and step, kl 0 at step 0 with beta > 0 (LoRA's
+  reference is the adapter disabled), and the recipe's normalisation: one micro-batch of 2B prompts gives the loss and
+  gradients of two of B (what 2 ranks x B = 1 rank x 2B rests on, given the same completions).
+"""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from praisonai_accel.methods.generation import (
+    completion_mask, model_forward, naive_sample, sample_completions, sample_next,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def _prompts(tokenizer, texts, repeat):
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids.repeat_interleave(repeat, 0), enc.attention_mask.repeat_interleave(repeat, 0)
+
+
+def _generators(n, seed=0):
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+SAMPLING = dict(max_new_tokens=16, temperature=1.0, top_p=0.95)
+
+
+def test_the_kv_cache_loop_draws_what_a_loop_without_cache_draws(tiny):
+    model, tokenizer = tiny
+    ids, mask = _prompts(tokenizer, ["reverse the words ada bob", "hi", "eve fay gus hal ivy"], 4)
+    common = dict(SAMPLING, stop_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id)
+    cached = sample_completions(model_forward(model), ids, mask, generators=_generators(3), **common)
+    naive = naive_sample(model, ids, mask, generators=_generators(3), **common)
+    assert torch.equal(cached[0], naive[0]) and torch.equal(cached[1], naive[1])
+    again = sample_completions(model_forward(model), ids, mask, generators=_generators(3), **common)
+    assert torch.equal(cached[0], again[0])  # deterministic given the generators
+    other = sample_completions(model_forward(model), ids, mask, generators=_generators(3, seed=7), **common)
+    assert not torch.equal(cached[0], other[0])
+
+
+def test_a_groups_draws_do_not_depend_on_the_rest_of_its_batch(tiny):
+    model, tokenizer = tiny
+    common = dict(SAMPLING, stop_ids=[-1], pad_id=tokenizer.pad_token_id)
+    ids, mask = _prompts(tokenizer, ["ada bob cy", "a much longer prompt: eve fay gus hal ivy jo"], 4)
+    both = sample_completions(model_forward(model), ids, mask, generators=_generators(2), **common)[0]
+    ids, mask = _prompts(tokenizer, ["ada bob cy"], 4)
+    alone = sample_completions(model_forward(model), ids, mask, generators=_generators(1), **common)[0]
+    assert torch.equal(both[:4], alone)
+
+
+def test_low_temperature_and_small_top_p_are_argmax():
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    argmax = logits.argmax(-1)
+    assert torch.equal(sample_next(logits, 1e-4, 1.0, torch.Generator().manual_seed(1)), argmax)
+    assert torch.equal(sample_next(logits, 1.0, 1e-6, torch.Generator().manual_seed(1)), argmax)
+    # top_p keeps the smallest set of tokens holding top_p of the mass: never one outside it
+    probs = logits.softmax(-1)
+    drawn = torch.stack([sample_next(logits, 1.0, 0.5, torch.Generator().manual_seed(s)) for s in range(20)])
+    ordered, order = probs.sort(-1, descending=True)
+    allowed = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, (ordered.cumsum(-1) - ordered) <= 0.5)
+    assert allowed.gather(-1, drawn.t()).all()
+
+
+def test_completions_stop_at_the_stop_token_and_at_max_completion_length():
+    vocab, stop, pad = 10, 7, 0
+
+    def forward(input_ids, attention_mask, position_ids, past):  # row i says `stop` at its step i + 1
+        step = 0 if past is None else past + 1
+        logits = torch.full((input_ids.size(0), vocab), -1e9)
+        for row in range(input_ids.size(0)):
+            logits[row, stop if step == row + 1 else 3] = 0.0
+        return logits, step
+
+    ids, mask = torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long)
+    completions, keep, ended = sample_completions(forward, ids, mask, max_new_tokens=3, temperature=1.0, top_p=1.0,
+                                                  stop_ids=[stop], pad_id=pad, generators=torch.Generator())
+    assert completions.tolist() == [[3, stop, pad], [3, 3, stop], [3, 3, 3]]
+    assert keep.tolist() == [[True, True, False], [True, True, True], [True, True, True]]
+    assert ended.tolist() == [True, True, False]  # the last was cut at max_completion_length
+    mask, ended = completion_mask(torch.tensor([[stop, stop, 1]]), torch.tensor([stop]))
+    assert mask.tolist() == [[True, False, False]] and ended.tolist() == [True]
+
+
+def test_the_loop_ends_when_every_row_has_stopped_unless_another_rank_has_not():
+    calls = []
+
+    def forward(input_ids, attention_mask, position_ids, past):
+        calls.append(1)
+        logits = torch.full((input_ids.size(0), 5), -1e9)
+        logits[:, 4] = 0.0  # the stop token at once
+        return logits, None
+
+    ids = torch.ones(2, 1, dtype=torch.long)
+    sample_completions(forward, ids, ids, max_new_tokens=8, temperature=1.0, top_p=1.0, stop_ids=[4], pad_id=0,
+                       generators=torch.Generator())
+    assert len(calls) == 1
+    calls.clear()
+    # FSDP2: another rank is still generating for 3 more tokens, so this one keeps running forwards with it
+    others = iter([False, False, False, True])
+    out = sample_completions(forward, ids, ids, max_new_tokens=8, temperature=1.0, top_p=1.0, stop_ids=[4], pad_id=0,
+                             generators=torch.Generator(), all_done=lambda finished: finished and next(others))
+    assert len(calls) == 4 and out[1].sum(-1).tolist() == [1, 1]

@@ -117,3 +117,127 @@ def test_the_loop_ends_when_every_row_has_stopped_unless_another_rank_has_not():
     out = sample_completions(forward, ids, ids, max_new_tokens=8, temperature=1.0, top_p=1.0, stop_ids=[4], pad_id=0,
                              generators=torch.Generator(), all_done=lambda finished: finished and next(others))
     assert len(calls) == 4 and out[1].sum(-1).tolist() == [1, 1]
+
+
+# ---------------------------------------------------------------- data and rollouts
+
+def _grpo_config(tmp_path, model, **overrides):
+    from praisonai_accel.config import parse_config
+
+    raw = {"model_name": str(model), "dataset": [{"name": str(tmp_path / "data.jsonl")}],
+           "output_dir": str(tmp_path / "out"), "method": "grpo", "reward_funcs": ["exact_match"],
+           "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 8, "max_seq_length": 96,
+           "max_prompt_length": 32, "finetune_type": "lora", "lora_dropout": 0.0, **overrides}
+    return parse_config(raw)
+
+
+ROWS = [{"prompt": [{"role": "user", "content": "reverse the words\n\nada bob"}], "answer": "bob ada"},
+        {"prompt": "reverse: cy dee eve", "answer": "eve dee cy"},
+        {"prompt": [{"role": "user", "content": "reverse the words\n\nfay gus"}], "answer": "gus fay"},
+        {"prompt": [{"role": "user", "content": "reverse the words\n\nhal ivy jo"}], "answer": "jo ivy hal"}]
+
+
+def test_prompts_are_rendered_with_the_generation_prompt_and_cut_from_the_left(tmp_path, tiny):
+    from praisonai_accel.methods import method_for
+    from praisonai_accel.methods.grpo_data import row_of
+
+    _, tokenizer = tiny
+    config = _grpo_config(tmp_path, "m", max_prompt_length=6)
+    data = method_for(config).data(tokenizer)
+    rendered = tokenizer.apply_chat_template(ROWS[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    encoded = data.encode(ROWS[0], "prompt", tokenizer, config, None)
+    assert encoded["prompt_input_ids"] == ids[-6:] and encoded["truncated"]  # the end: the generation prompt stays
+    assert row_of(encoded) == ROWS[0]  # every column reaches the reward functions
+    assert data.encode(ROWS[1], "prompt", tokenizer, config, None)["prompt_input_ids"] == \
+        tokenizer("reverse: cy dee eve", add_special_tokens=False)["input_ids"][-6:]
+    assert data.check_row({"prompt": ""}, "prompt", None) == "'prompt' is empty"
+    assert "not text or a list of messages" in data.check_row({"prompt": 3}, "prompt", None)
+    with pytest.raises(Exception, match="no 'prompt'"):
+        data.detect_format(["question", "answer"], None)
+
+
+def _setup(tmp_path, model_dir, tokenizer, **overrides):
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from praisonai_accel.methods import method_for
+
+    config = _grpo_config(tmp_path, model_dir, **overrides)
+    method = method_for(config)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    accelerator = Accelerator(cpu=True)
+    collate = method.collator(tokenizer.pad_token_id)
+    module = accelerator.prepare(method.loss_module(model, accelerator=accelerator, tokenizer=tokenizer,
+                                                    use_cuda=False))
+    data = method.data(tokenizer)
+    examples = []
+    for number, row in enumerate(ROWS):
+        example = data.encode(row, "prompt", tokenizer, config, None)
+        example["row_number"] = [0, 1, number + 1]  # what the preprocessing driver writes: line number + 1
+        examples.append(example)
+    return method, module, accelerator, collate, examples
+
+
+def test_a_rollout_is_deterministic_given_seed_and_step_and_kl_is_0_at_step_0(tmp_path, tiny_model, tiny):
+    _, tokenizer = tiny
+    method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer, beta=0.1)
+    first = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
+    again = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
+    later = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 1)
+    assert [b["completion_digest"] for b in first] == [b["completion_digest"] for b in again]
+    assert [b["completion_digest"] for b in first] != [b["completion_digest"] for b in later]
+    batch = first[0]
+    assert batch["completion_mask"].shape[1] <= 8 and batch["input_ids"].size(0) == 8
+    loss, metrics = method.forward(module, batch)
+    assert float(metrics["kl"]) == 0.0 and float(metrics["completion_tokens"]) == float(method.units(batch)) > 0
+    assert method.examples_in(batch) == 2
+    logged = method.reduce_metrics({k: float(v) for k, v in metrics.items()}, float(method.units(batch)))
+    assert {"reward", "reward_std", "completions/mean_length", "clip_ratio", "kl", "rewards/exact_match/mean",
+            "rewards/exact_match/std"} <= set(logged)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
+def test_one_micro_batch_of_2B_prompts_gives_the_loss_and_gradients_of_two_of_B(tmp_path, tiny_model, tiny, loss_type):
+    _, tokenizer = tiny
+    method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer, loss_type=loss_type,
+                                                            beta=0.05)
+    whole = method.rollout(accelerator, module, [collate(examples)], 0)
+    halves = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
+    # the same completions: a group's draws do not depend on the rest of its batch
+    assert torch.equal(torch.cat([h["total_rewards"] for h in halves]), whole[0]["total_rewards"])
+
+    def gradients(group):
+        module.zero_grad(set_to_none=True)
+        units = sum(float(method.units(b)) for b in group)
+        total = 0.0
+        for batch in group:
+            loss, _ = method.forward(module, batch)
+            (loss / units).backward()
+            total += float(loss.detach())
+        return total / units, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    loss_whole, grads_whole = gradients(whole)
+    loss_halves, grads_halves = gradients(halves)
+    assert abs(loss_whole - loss_halves) <= 1e-6
+    assert grads_whole and max((grads_whole[n] - grads_halves[n]).abs().max().item() for n in grads_whole) <= 1e-6
+
+
+def test_completion_log_probs_through_the_chunked_head_are_the_full_logits_ones(tmp_path, tiny_model, tiny):
+    _, tokenizer = tiny
+    method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer, temperature=0.7)
+    batch = method.rollout(accelerator, module, [collate(examples)], 0)[0]
+    inner = accelerator.unwrap_model(module)
+    args = [batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels", "completion_mask")]
+    chunked = inner.token_logps(inner.causal_lm, *args)
+    inner.chunked = False
+    full = inner.token_logps(inner.causal_lm, *args)
+    logits = inner.causal_lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             position_ids=batch["position_ids"]).logits[:, -batch["completion_mask"].size(1) - 1:-1]
+    completions = batch["input_ids"][:, -batch["completion_mask"].size(1):]
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, completions[..., None]).squeeze(-1)
+    expected = expected * batch["completion_mask"]
+    assert (chunked - expected).abs().max() <= 1e-5 and (full - expected).abs().max() <= 1e-5

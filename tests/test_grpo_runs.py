@@ -1,0 +1,128 @@
+"""GRPO through the CLI, with real processes (the in-process proofs are test_grpo.py):
+
+- 2 processes x B prompts give the losses, the logged completions and the adapter of 1 process x 2B (each prompt's
+  group samples from its own generator, so the completions are the same), and kl is 0 at step 0 with beta > 0;
+- the reward rises on 2 processes under FSDP2, fully fine-tuned (generation through the sharded module, the ranks
+  stopping together; the frozen reference copy sharded too), and evaluation rolls out held-out prompts (eval_reward);
+- SIGKILL mid-run, then the same command: the resumed run samples the same completions (completions.jsonl) and ends
+  with the adapter of the uninterrupted run;
+- use_vllm and num_iterations > 1 are refused before launch, with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+from conftest import cli, load_adapter, read_metrics, read_summary, write_config
+from test_checkpoint import TWO, start, wait_for_step
+from test_training import workers_left
+
+REWARDS = '''
+def short(completions, **kwargs):
+    return [-len(c[0]["content"]) / 10 for c in completions]
+
+
+def letters(completions, **kwargs):
+    return [sum(ch in "aeiou" for ch in c[0]["content"]) / 4 for c in completions]
+
+
+def reversed_words(completions, answer, **kwargs):
+    return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+'''
+GRPO = dict(method="grpo", reward_funcs=["rewards:short", "rewards:reversed_words"], num_generations=4,
+            max_completion_length=8, max_seq_length=64, max_prompt_length=32, beta=0.05, learning_rate=2e-2,
+            logging_steps=1, warmup_steps=0, num_completions_to_print=4, lora_dropout=0.0)
+
+
+def _data(directory, count=48):
+    from praisonai_accel.demo import demo_prompt, task_records
+
+    rows = [{"prompt": demo_prompt(r), "answer": r["output"]} for r in task_records(count, seed=0)]
+    path = directory / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(directory, tiny_model, **overrides):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "rewards.py").write_text(REWARDS)  # next to config.yaml, where reward_funcs' modules are looked for
+    data = _data(directory)
+    return write_config(directory, tiny_model, data, **{**GRPO, "dataset": [{"name": str(data)}], **overrides})
+
+
+def _completions(out):
+    return [json.loads(line) for line in (out / "logs" / "completions.jsonl").read_text().splitlines()]
+
+
+def _steps(out):
+    return [m for m in read_metrics(out) if "loss" in m]
+
+
+def _adapter_diff(a, b):
+    wa, wb = load_adapter(a / "lora_model"), load_adapter(b / "lora_model")
+    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
+
+
+def test_2_processes_x_B_prompts_give_the_run_of_1_process_x_2B(tmp_path, tiny_model):
+    for name, flags, batch in (("2xB", TWO, 8), ("1x2B", ("--cpu",), 16)):
+        result = cli("train", str(_config(tmp_path / name, tiny_model, max_steps=3, per_device_train_batch_size=batch,
+                                          learning_rate=5e-3)),
+                     *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    two, one = tmp_path / "2xB" / "out", tmp_path / "1x2B" / "out"
+    steps2, steps1 = _steps(two), _steps(one)
+    assert steps2[0]["kl"] == 0.0 and steps2[-1]["kl"] > 0  # the reference is the adapter disabled
+    for key in ("loss", "reward", "reward_std", "completions/mean_length", "rewards/short/mean"):
+        assert max(abs(a[key] - b[key]) for a, b in zip(steps2, steps1)) <= 1e-5, key
+    # rank 0's first prompts are the single process's first: the same completions, the same rewards
+    assert [(c["step"], c["completion"]) for c in _completions(two)] == \
+        [(c["step"], c["completion"]) for c in _completions(one)]
+    assert _adapter_diff(two, one) <= 1e-5
+
+
+def test_the_reward_rises_on_2_processes_under_fsdp_and_evaluation_rolls_out(tmp_path, tiny_model):
+    config = _config(tmp_path, tiny_model, max_steps=16, per_device_train_batch_size=8, val_split_ratio=0.1,
+                     eval_strategy="steps", eval_steps=8, reward_funcs=["rewards:letters"], max_completion_length=12,
+                     finetune_type="full", final_model_dir="model", learning_rate=1e-2)
+    result = cli("train", str(config), *TWO, "--fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert read_summary(out)["distributed_type"] == "FSDP"
+    rewards = [m["reward"] for m in _steps(out)]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.5, rewards
+    evals = [m for m in read_metrics(out) if "eval_loss" in m]
+    assert len(evals) == 2 and evals[-1]["eval_reward"] > evals[0]["eval_reward"]  # held-out prompts, rolled out
+    assert all("eval_completions/mean_length" in m for m in evals)
+
+
+def test_sigkill_then_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tmp_path, tiny_model):
+    exact = dict(max_steps=8, per_device_train_batch_size=8, num_completions_to_print=8)
+    result = cli("train", str(_config(tmp_path / "reference", tiny_model, **exact)), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = tmp_path / "reference" / "out"
+
+    config = _config(tmp_path / "killed", tiny_model, save_steps=1, **exact)
+    out = tmp_path / "killed" / "out"
+    proc = start(config, *TWO)
+    wait_for_step(out, 4, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
+    assert not workers_left(config)
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr
+    assert _completions(out) == _completions(reference)
+    assert [m["loss"] for m in _steps(out)] == [m["loss"] for m in _steps(reference)]
+    assert _adapter_diff(out, reference) <= 1e-6
+
+
+def test_use_vllm_and_num_iterations_are_refused_before_launch(tmp_path, tiny_model):
+    for key, value, words in (("use_vllm", True, "use_vllm:"), ("num_iterations", 2, "num_iterations: 2")):
+        config = _config(tmp_path / key, tiny_model, max_steps=1, per_device_train_batch_size=4, **{key: value})
+        result = cli("train", str(config), "--cpu")
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
+        assert not (tmp_path / key / "out" / "metrics.jsonl").exists()

@@ -241,3 +241,19 @@ def test_completion_log_probs_through_the_chunked_head_are_the_full_logits_ones(
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, completions[..., None]).squeeze(-1)
     expected = expected * batch["completion_mask"]
     assert (chunked - expected).abs().max() <= 1e-5 and (full - expected).abs().max() <= 1e-5
+
+
+def test_a_reward_function_that_raises_is_named_with_the_dataset_row(tmp_path, tiny_model, tiny):
+    from praisonai_accel.methods.rewards import RewardError, _checked
+
+    def picky(completions, answer, **kwargs):
+        if "fay" in answer[0] or "gus fay" in answer:
+            raise ValueError("no fay")
+        return [0.0] * len(completions)
+
+    _, tokenizer = tiny
+    method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer)
+    method.reward_functions = [_checked("mine:picky", picky, 1.0, "reward_funcs[0]")]
+    method.rollout(accelerator, module, [collate(examples[:2])], 0)
+    with pytest.raises(RewardError, match=r"mine:picky failed on .*data\.jsonl line 3: ValueError: no fay"):
+        method.rollout(accelerator, module, [collate(examples[2:])], 0)

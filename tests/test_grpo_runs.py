@@ -126,3 +126,17 @@ def test_use_vllm_and_num_iterations_are_refused_before_launch(tmp_path, tiny_mo
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
         assert not (tmp_path / key / "out" / "metrics.jsonl").exists()
+
+
+def test_demo_grpo_trains_the_sft_demo_first_then_teaches_it_to_reverse_four_names_from_a_reward(tmp_path):
+    """The whole demo from an empty directory: the SFT demo's model (2 or 3 names; trained first, since it is absent)
+    answers four-name prompts with three names; GRPO with 2 processes, rewarded for names in place, teaches it."""
+    result = cli("demo", "--method", "grpo", "--dir", str(tmp_path / "demo"), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no SFT demo model" in result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("exact-match accuracy on 100 held-out four"))
+    before, after = (int(word[:-1]) for word in line.split() if word.endswith("%"))
+    assert before == 0 and after >= 15, line
+    assert "after 150 GRPO steps on 2 processes" in line
+    rewards = [m["reward"] for m in read_metrics(tmp_path / "demo" / "grpo_outputs") if "reward" in m]
+    assert rewards[-1] > rewards[0] + 0.1, rewards

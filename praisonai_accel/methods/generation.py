@@ -5,8 +5,9 @@ small models generate's per-token bookkeeping (logits processors, stopping crite
 the model's forward. Prompts are left-padded, so every row's next token is in the last column; position ids count
 real tokens only (as generate computes them), and the training forward uses the same positions.
 
-Sampling draws from torch.Generators the caller seeds (one per prompt's group, or one for the batch); `forward` is how the model is called (the unwrapped model,
-or, under FSDP2, the prepared module, whose every forward is a collective); `all_done` (FSDP2) tells whether every
+Sampling draws from torch.Generators the caller seeds (one per prompt's group, or one for the batch); `forward` is
+how the model is called (the unwrapped model, or, under FSDP2, the prepared module, whose every forward is a
+collective); `all_done` (FSDP2) tells whether every
 rank has finished, so a rank whose rows ended keeps running forwards until all have (TRL's synced_gpus).
 """
 

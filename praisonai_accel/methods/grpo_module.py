@@ -66,7 +66,8 @@ class GRPOLoss(CausalLMLoss):
         if mode == "decode":
             return self.decode(input_ids, attention_mask, position_ids, past)
         if mode == "logps":
-            with torch.no_grad(), (self._reference_model() if reference else contextlib.nullcontext(self.causal_lm)) as model:
+            which = self._reference_model() if reference else contextlib.nullcontext(self.causal_lm)
+            with torch.no_grad(), which as model:
                 return self.token_logps(model, input_ids, attention_mask, position_ids, labels, completion_mask)
         logps = self.token_logps(self.causal_lm, input_ids, attention_mask, position_ids, labels, completion_mask)
         loss_sum, _units, metrics = grpo_loss.policy_loss(logps, old_logps, ref_logps, advantages, completion_mask,

@@ -134,7 +134,8 @@ def test_demo_grpo_trains_the_sft_demo_first_then_teaches_it_to_reverse_four_nam
     result = cli("demo", "--method", "grpo", "--dir", str(tmp_path / "demo"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no SFT demo model" in result.stderr
-    line = next(line for line in result.stdout.splitlines() if line.startswith("exact-match accuracy on 100 held-out four"))
+    line = next(line for line in result.stdout.splitlines()
+                if line.startswith("exact-match accuracy on 100 held-out four"))
     before, after = (int(word[:-1]) for word in line.split() if word.endswith("%"))
     assert before == 0 and after >= 15, line
     assert "after 150 GRPO steps on 2 processes" in line

@@ -202,3 +202,31 @@ def test_weighted_rewards_as_trl():
     totals = gl.weighted_rewards(per_func, torch.tensor([2.0, 0.5]))
     assert totals[:2].tolist() == [2.0, 2.0]
     assert torch.isnan(totals[2])
+
+
+def test_reward_logs_summed_over_ranks_equal_trls_on_the_whole_batch():
+    """rewards/<name>/mean and /std, reward, reward_std and frac_reward_zero_std as TRL logs them (nanmean and its
+    nanstd over the gathered batch), from per-rank sums added over 2 simulated ranks."""
+    from trl.trainer.utils import nanstd
+
+    G, names = 2, ["exact_match", "rewards:brevity"]
+    g = torch.Generator().manual_seed(2)
+    per_func = torch.randn(8, 2, generator=g)
+    per_func[0, 1] = per_func[5, 0] = float("nan")
+    per_func[6] = float("nan")  # no function scored it
+    per_func[2:4, 0], per_func[2:4, 1] = 1.0, 0.0  # a group with equal rewards: std 0
+    weights = torch.tensor([1.0, 0.5])
+    totals = gl.weighted_rewards(per_func, weights)
+    _, std = gl.group_advantages(totals, G, "group")
+    halves = [slice(0, 4), slice(4, 8)]
+    parts = [gl.reward_metric_sums(per_func[h], totals[h], std[h], names) for h in halves]
+    logged = gl.reward_metrics({k: float(parts[0][k] + parts[1][k]) for k in parts[0]}, names)
+    expected = {"reward": torch.nanmean(totals).item(), "reward_std": nanstd(totals).item(),
+                "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+    for i, name in enumerate(names):
+        expected[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, i]).item()
+        expected[f"rewards/{name}/std"] = nanstd(per_func[:, i]).item()
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value, abs=1e-6), key
+    assert 0 < logged["frac_reward_zero_std"] < 1

@@ -64,6 +64,9 @@ BAD_CONFIGS = [  # (module source, reward_funcs, the line after "error: ")
     ("def reward(completions, /, **kwargs):\n    return []\n", ["{module}:reward"],
      "reward_funcs[0]: {module}:reward: parameter 'completions' is positional-only, but reward functions are called "
      "with keywords; define it as def reward(prompts, completions, **kwargs) -> list[float | None]"),
+    ("def reward(prompt, completions, **kwargs):\n    return []\n", ["{module}:reward"],
+     "reward_funcs[0]: {module}:reward: it requires 'prompt', which is never passed (the batch comes as prompts=); "
+     "define it as def reward(prompts, completions, **kwargs) -> list[float | None]"),
     ("def reward(prompts, completions, log_metric, **kwargs):\n    return []\n", ["{module}:reward"],
      "reward_funcs[0]: {module}:reward: it requires 'log_metric', which TRL passes but praisonai-accel does not; "
      "give it a default (None)"),
@@ -259,15 +262,22 @@ def test_numbers_of_any_kind_and_async_functions_are_accepted():
     assert out[:3, 0].tolist() == [0.25, 2.0, 1.0] and torch.isnan(out[3, 0])
 
 
-def test_the_worker_exits_with_the_reward_failure_code(tmp_path):
+def test_the_worker_exits_with_the_reward_failure_code(tmp_path, capsys, monkeypatch):
     from praisonai_accel.distributed import DistEnv
+    from praisonai_accel.logs import FILE_ONLY
     from praisonai_accel.worker import main
+
+    monkeypatch.setattr(FILE_ONLY, "handlers", [logging.NullHandler()])  # a worker's goes to its rank's log file
 
     env = DistEnv.from_environ()
     config = SimpleNamespace(output_path=lambda: tmp_path)
     (tmp_path / "logs").mkdir()
     code = main._failed(rw.RewardError("reward function r failed on row 2: KeyError: 'x'"), env, config, None)
     assert code == main.REWARD_FAILED_EXIT_CODE not in (main.FAILED_EXIT_CODE, main.BAD_INPUT_EXIT_CODE)
+    assert capsys.readouterr().err == "error: reward function r failed on row 2: KeyError: 'x'\n"
+    # another rank failing in the same attempt only logs: the job says it once
+    assert main._failed(rw.RewardError("reward function r failed on row 9: KeyError: 'x'"), env, config, None) == 3
+    assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- built-ins

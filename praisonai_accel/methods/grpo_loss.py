@@ -28,6 +28,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 # kl (only when beta > 0 in TRL; 0 here without a reference), clip_ratio (TRL's clip_ratio/region_mean).
 TOKEN_MEANS = ("kl", "clip_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean")
 TOKENS = "completion_tokens"
+POLICY_METRICS = (*TOKEN_MEANS, TOKENS)  # the sums policy_loss returns (a method's metric_names include them)
 STD_EPSILON = 1e-4  # TRL's: advantages are divided by std + 1e-4
 
 
@@ -67,16 +68,11 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: 
         kl = torch.zeros_like(logps)
     masked = per_token * mask
     tokens = mask.sum()
-    rows = logps.new_tensor(float(logps.size(0)))
     if loss_type == "grpo":
         loss_sum = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-        units = rows
-    elif loss_type == "dr_grpo":
+    else:  # dapo, bnpo, dr_grpo: token losses summed; the units say what over
         loss_sum = masked.sum()
-        units = rows * max_completion_length
-    else:  # dapo, bnpo
-        loss_sum = masked.sum()
-        units = tokens
+    units = loss_units(mask, loss_type, max_completion_length)
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
@@ -85,6 +81,17 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: 
                    "clip_ratio/low_mean": (low * mask).sum(), "clip_ratio/high_mean": (high * mask).sum(),
                    TOKENS: tokens.detach()}
     return loss_sum, units.detach(), metrics
+
+
+def loss_units(mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """What a micro-batch's loss is a sum over, from its completion mask [B, T] alone (TrainingMethod.units, counted
+    before the forward): completion tokens (dapo, bnpo), completions (grpo), completions x max_completion_length
+    (dr_grpo). A 0-dim float tensor on the mask's device."""
+    if loss_type == "grpo":
+        return torch.tensor(float(mask.size(0)), device=mask.device)
+    if loss_type == "dr_grpo":
+        return torch.tensor(float(mask.size(0) * max_completion_length), device=mask.device)
+    return mask.sum().float()
 
 
 def token_means(sums: dict[str, float]) -> dict[str, float]:
@@ -149,3 +156,32 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPSILON)
     return torch.nan_to_num(advantages, nan=0.0), std
+
+
+def reward_metric_sums(rewards_per_func: torch.Tensor, totals: torch.Tensor, std: torch.Tensor,
+                       names: list[str]) -> dict[str, torch.Tensor]:
+    """Sums over a rank's completions from which `reward_metrics` gives TRL's reward logs of the whole batch once
+    they are summed over ranks: per function and for the weighted total, the count, sum and sum of squares of the
+    non-NaN rewards; completions whose advantage std (group_advantages' std) is 0; completions."""
+    sums: dict[str, torch.Tensor] = {}
+    columns = [(f"rewards/{name}", rewards_per_func[:, i]) for i, name in enumerate(names)] + [("reward", totals)]
+    for key, values in columns:
+        count, total, squares = reward_moments(values).unbind()
+        sums.update({f"{key}/count": count, f"{key}/sum": total, f"{key}/squares": squares})
+    sums["reward/zero_std"] = torch.isclose(std, torch.zeros_like(std)).sum().double()
+    sums["reward/completions"] = torch.tensor(float(totals.numel()), dtype=torch.float64)
+    return sums
+
+
+def reward_metrics(sums: dict[str, float], names: list[str]) -> dict[str, float]:
+    """TRL's logged reward metrics from reward_metric_sums summed over ranks: rewards/<name>/mean and /std per
+    function, reward and reward_std (the weighted total), frac_reward_zero_std. Means and stds leave out None
+    (NaN) rewards; std is unbiased and NaN with fewer than 2 rewards, as TRL's nanstd."""
+    logged: dict[str, float] = {}
+    for key, mean_name, std_name in [(f"rewards/{n}", f"rewards/{n}/mean", f"rewards/{n}/std") for n in names] + [
+            ("reward", "reward", "reward_std")]:
+        moments = torch.tensor([sums[f"{key}/count"], sums[f"{key}/sum"], sums[f"{key}/squares"]], dtype=torch.float64)
+        logged[mean_name] = float(moments[1] / moments[0]) if moments[0] > 0 else float("nan")
+        logged[std_name] = float(std_from_moments(moments))
+    logged["frac_reward_zero_std"] = float(sums["reward/zero_std"]) / max(float(sums["reward/completions"]), 1.0)
+    return logged

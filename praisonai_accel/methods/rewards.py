@@ -35,6 +35,16 @@ NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # dataset keys TRL lea
 SIGNATURE = "def reward(prompts, completions, **kwargs) -> list[float | None]"
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What `score` passes as trainer_state: the attributes of TRL's TrainerState that rewards shaped by training
+    progress read."""
+
+    global_step: int
+    max_steps: int
+    epoch: float = 0.0
+
+
 class RewardError(Exception):
     """A reward function failed while training: one line naming the function and the dataset row."""
 
@@ -169,6 +179,10 @@ def _checked(name: str, func: Callable, weight: float, where: str) -> RewardFunc
         raise ConfigError(f"{where}: it does not take {' or '.join(f'{k}=' for k in missing)}; reward functions "
                           f"are called as TRL calls them: {SIGNATURE}")
     required = [n for n, p in named.items() if p.default is p.empty and n not in PASSED]
+    singular = [n for n in required if n in NOT_COLUMNS and n not in PASSED]
+    if singular:
+        raise ConfigError(f"{where}: it requires '{singular[0]}', which is never passed (the batch comes as "
+                          f"{singular[0]}s=); define it as {SIGNATURE}")
     unsupported = [n for n in required if n in NOT_PASSED]
     if unsupported:
         raise ConfigError(f"{where}: it requires '{unsupported[0]}', which TRL passes but praisonai-accel does not; "
@@ -184,7 +198,7 @@ def check_columns(functions: Sequence[RewardFunction], column_names, dataset: st
     have = set(column_names)
     for function in functions:
         for column in function.columns:
-            if column not in have or column in NOT_COLUMNS:
+            if column not in have:
                 raise DataError(f"{dataset}: reward function {function.name} reads column '{column}', which the "
                                 f"dataset does not have (its columns: {', '.join(sorted(map(str, have)))}); add it "
                                 f"or give the parameter a default")
@@ -198,7 +212,7 @@ def where(row) -> str:
 
 
 def score(functions: Sequence[RewardFunction], prompts: list, completions: list, completion_ids: list,
-          columns: dict[str, list], rows: Sequence, trainer_state: Any = None):
+          columns: dict[str, list], rows: Sequence, trainer_state: TrainerState | None = None):
     """[N, F] float32 rewards of N completions by F functions, NaN where a function returned None (TRL: not
     applicable; the weighted total skips it, grpo_loss.weighted_rewards). `columns`: the dataset's other columns,
     each a list aligned with the completions; `rows`: each completion's dataset row (an index, or a place such as

@@ -77,9 +77,11 @@ class TrainingMethod:
         loader yields prompts)."""
         return per_device_train_batch_size
 
-    def rollout(self, accelerator, module, group: list[dict], global_step: int) -> list[dict]:
-        """Called before each optimizer step with its micro-batches (`global_step`: the steps already taken); returns
-        the micro-batches to train on. An online method generates and scores its examples here (GRPO)."""
+    def rollout(self, accelerator, module, group: list[dict], global_step: int, total_steps: int = 0,
+                epoch: float = 0.0) -> list[dict]:
+        """Called before each optimizer step with its micro-batches (`global_step`: the steps already taken, of
+        `total_steps`; `epoch`: fractional, as logged); returns the micro-batches to train on. An online method
+        generates and scores its examples here (GRPO)."""
         return group
 
     def before_training(self, accelerator, module, dataset, collate, output_dir):

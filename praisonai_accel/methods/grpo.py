@@ -24,6 +24,7 @@ import torch
 
 from . import grpo_data, grpo_loss
 from .base import TrainingMethod
+from .rollout import LENGTH
 
 log = logging.getLogger("praisonai_accel")
 FILLER = "filler"
@@ -37,8 +38,10 @@ def reward_names(config) -> list[str]:
 
 
 def rollout_metric_names(names) -> tuple[str, ...]:
-    per_function = tuple(f"{kind}/{name}" for name in names for kind in ("sum", "sumsq", "count"))
-    return ("sum/reward", "sum/group_std", "sum/length", "count/completions", "count/groups") + per_function
+    """The sums a rollout adds to a micro-batch's metrics (grpo_loss.reward_metric_sums' and the lengths)."""
+    keys = [f"rewards/{name}" for name in names] + ["reward"]
+    return (*(f"{key}/{kind}" for key in keys for kind in ("count", "sum", "squares")), "reward/zero_std",
+            "reward/completions", LENGTH)
 
 
 class GRPO(TrainingMethod):
@@ -53,14 +56,15 @@ class GRPO(TrainingMethod):
         self.unit = {"grpo": "completions", "dr_grpo": "completions x max_completion_length"}.get(
             config.loss_type, "completion tokens")
         self.names = reward_names(config)
-        self.metric_names = (grpo_loss.TOKENS, *grpo_loss.TOKEN_MEANS, *rollout_metric_names(self.names))
+        self.metric_names = (*grpo_loss.POLICY_METRICS, *rollout_metric_names(self.names))
         self.reward_functions = None  # loaded with the loss module (rewards.load_reward_functions)
         self.tokenizer = None
         self.accelerator = None
         self.stop_ids: list[int] = []
         self.pad_token_id = 0
         self._eval_batches = 0
-        self._last_step = 0
+        self._last_step = self._total_steps = 0
+        self._epoch = 0.0
         self._trimmed = False
 
     # ---------------------------------------------------------------- data
@@ -118,30 +122,24 @@ class GRPO(TrainingMethod):
         return loss, metrics
 
     def reduce_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
-        """TRL's logged means from sums over micro-batches and ranks: rewards over completions (each function over
-        the completions it scored, None left out), reward_std over groups, kl and clip_ratio over tokens."""
-        out = grpo_loss.token_means(sums)
-        completions = max(sums.get("count/completions", 0.0), 1.0)
-        out["reward"] = sums.get("sum/reward", 0.0) / completions
-        out["reward_std"] = sums.get("sum/group_std", 0.0) / max(sums.get("count/groups", 0.0), 1.0)
-        out["completions/mean_length"] = sums.get("sum/length", 0.0) / completions
-        for name in self.names:
-            n, total, squares = (sums.get(f"{kind}/{name}", 0.0) for kind in ("count", "sum", "sumsq"))
-            if n:
-                out[f"rewards/{name}/mean"] = total / n
-                out[f"rewards/{name}/std"] = max(squares - total * total / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 \
-                    if n > 1 else 0.0
+        """TRL's logged values from sums over micro-batches and ranks: the rewards' means and stds over completions
+        (each function's over the completions it scored), kl and clip_ratio over completion tokens."""
+        out = {**grpo_loss.reward_metrics(sums, self.names), **grpo_loss.token_means(sums)}
+        out["completions/mean_length"] = sums.get(LENGTH, 0.0) / max(sums.get("reward/completions", 0.0), 1.0)
         return out
 
     # ---------------------------------------------------------------- rollouts
-    def rollout(self, accelerator, module, group: list[dict], global_step: int | None) -> list[dict]:
+    def rollout(self, accelerator, module, group: list[dict], global_step: int | None, total_steps: int = 0,
+                epoch: float = 0.0) -> list[dict]:
         """The step's micro-batches of prompts -> micro-batches of scored completions. `global_step`: the steps
-        already taken (None: evaluation's prompts)."""
+        already taken (None: evaluation's prompts); with total_steps and epoch, the reward functions' trainer_state."""
         from . import rollout as rollouts
+        from .rewards import TrainerState
 
         if global_step is not None:
-            self._last_step = global_step
+            self._last_step, self._total_steps, self._epoch = global_step, total_steps, epoch
             self._eval_batches = 0
+        state = TrainerState(self._last_step, self._total_steps, self._epoch)
         config = self.config
         was_training = module.training
         module.eval()
@@ -153,7 +151,7 @@ class GRPO(TrainingMethod):
                     self._eval_batches += 1
                 else:
                     key = (global_step,)
-                scored.append(rollouts.generate_and_score(self, accelerator, module, batch, (config.seed, *key)))
+                scored.append(rollouts.generate_and_score(self, accelerator, module, batch, (config.seed, *key), state))
             rollouts.set_advantages(self, accelerator, scored)
             for batch in scored:
                 rollouts.add_reference(self, module, batch)

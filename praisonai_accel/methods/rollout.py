@@ -16,6 +16,7 @@ from . import grpo_loss
 from .generation import positions_of, sample_completions
 
 FILLER = "filler"
+LENGTH = "completions/length_sum"  # completion tokens, for completions/mean_length
 
 
 def _generation_forward(accelerator, module):
@@ -41,7 +42,7 @@ def sampling_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
-def generate_and_score(method, accelerator, module, batch: dict, key: tuple) -> dict:
+def generate_and_score(method, accelerator, module, batch: dict, key: tuple, trainer_state=None) -> dict:
     """`key`: what, with a prompt's row number, seeds its group's generator ((seed, step), or evaluation's)."""
     from .rewards import score
 
@@ -73,30 +74,18 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple) -> 
     columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in column_names}
     where = [_where(config, n) for n in batch["row_numbers"].tolist() for _ in range(g)]
     ids = [c[k].tolist() for c, k in zip(completions, keep)]
-    rewards = torch.as_tensor(score(method.reward_functions, prompts, completion_values, ids, columns, where),
-                              dtype=torch.float32, device=device).reshape(len(texts), -1)
+    rewards = torch.as_tensor(score(method.reward_functions, prompts, completion_values, ids, columns, where,
+                                    trainer_state), dtype=torch.float32, device=device).reshape(len(texts), -1)
     weights = torch.as_tensor([f.weight for f in method.reward_functions], dtype=torch.float32, device=device)
     total = grpo_loss.weighted_rewards(rewards, weights)
 
-    settings = {"loss_type": config.loss_type, "beta": 0.0, "epsilon_low": config.epsilon,
-                "epsilon_high": config.epsilon_high, "max_completion_length": config.max_completion_length}
-    zeros = torch.zeros(loss_mask.shape, device=device)
-    units = grpo_loss.policy_loss(zeros, None, None, zeros[:, 0], loss_mask, **settings)[1]
-    sums = {"sum/reward": torch.nansum(total), "sum/length": keep.sum().float(),
-            "count/completions": torch.tensor(float(len(texts)), device=device),
-            "sum/group_std": torch.nan_to_num(grpo_loss.nanstd(total.view(-1, g), dim=1), nan=0.0).sum(),
-            "count/groups": torch.tensor(float(len(rows)), device=device)}
-    for f, name in enumerate(method.names):
-        column = rewards[:, f]
-        valid = ~torch.isnan(column)
-        sums[f"sum/{name}"] = column[valid].sum()
-        sums[f"sumsq/{name}"] = (column[valid] ** 2).sum()
-        sums[f"count/{name}"] = valid.sum().float()
+    units = grpo_loss.loss_units(loss_mask, config.loss_type, config.max_completion_length)
+    sums = {LENGTH: keep.sum().double()}  # the reward sums come with the advantages (set_advantages)
     records = [{"prompt": prompts[i], "completion": texts[i],
                 "rewards": {name: _number(rewards[i, f]) for f, name in enumerate(method.names)},
                 "reward": _number(total[i])} for i in range(len(texts))]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": positions_of(attention_mask),
-           "labels": labels, "completion_mask": loss_mask, "total_rewards": total, "units": units,
+           "labels": labels, "completion_mask": loss_mask, "rewards": rewards, "total_rewards": total, "units": units,
            "prompts": len(rows), "rollout_sums": sums, "log_records": records,
            "completion_digest": _digest(completions, keep)}
     if batch.get(FILLER):
@@ -113,9 +102,11 @@ def set_advantages(method, accelerator, scored: list[dict]) -> None:
         moments = sum(grpo_loss.reward_moments(b["total_rewards"]) * (0.0 if b.get(FILLER) else 1.0) for b in scored)
         batch_std = grpo_loss.std_from_moments(accelerator.reduce(moments.to(accelerator.device), "sum"))
     for b in scored:
-        advantages, _ = grpo_loss.group_advantages(b["total_rewards"], config.num_generations, config.scale_rewards,
-                                                   batch_std=batch_std)
+        advantages, std = grpo_loss.group_advantages(b["total_rewards"], config.num_generations, config.scale_rewards,
+                                                     batch_std=batch_std)
         b["advantages"] = advantages
+        sums = grpo_loss.reward_metric_sums(b["rewards"], b["total_rewards"], std, method.names)
+        b["rollout_sums"].update({k: v.to(accelerator.device) for k, v in sums.items()})
         for record, advantage in zip(b["log_records"], advantages.tolist()):
             record["advantage"] = advantage
 

@@ -240,7 +240,8 @@ class Recipe:
                 batches = self._epoch_batches(state.epoch)
                 batches_per_epoch = len(self.loader)
                 for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
-                    group = self.method.rollout(accelerator, self.model, group, state.global_step)
+                    group = self.method.rollout(accelerator, self.model, group, state.global_step, self.total_steps,
+                                                state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1))
                     step = optimizer_step(accelerator, self.model, self.optimizer, self.scheduler, self.method, group,
                                           config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop_requested,
                                           self.sp)

@@ -50,9 +50,6 @@ class GRPO(TrainingMethod):
 
     def __init__(self, config):
         super().__init__(config)
-        from ..checks import generation_rule
-
-        generation_rule(config)
         self.unit = {"grpo": "completions", "dr_grpo": "completions x max_completion_length"}.get(
             config.loss_type, "completion tokens")
         self.names = reward_names(config)

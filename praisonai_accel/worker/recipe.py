@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, resume_rule, sequence_parallel_rule
+from ..checks import final_model_dir_rule, generation_rule, resume_rule, sequence_parallel_rule
 from ..config import ConfigError, TrainConfig
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..handoff import VERBOSE_ENV
@@ -102,6 +102,7 @@ class Recipe:
         quiet_libraries(self.verbose)
         final_model_dir_rule(config)  # accelerate launch / torchrun: not checked before launch
         sequence_parallel_rule(config, accelerator.num_processes)  # the model's heads: once it is loaded
+        generation_rule(config)
         self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "

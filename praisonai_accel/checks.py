@@ -52,9 +52,12 @@ def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, i
                                       config.overwrite_output_dir, config.run_identity(), config.force_resume)
     if start is None:
         return None, 0, None
+    from .methods import method_for
+
     # The ranks of a sequence-parallel group share their rows: the data-parallel size is what reads the data.
+    per_device = config.per_device_train_batch_size
     skip, warning = ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes // config.sequence_parallel_size,
-                                     config.per_device_train_batch_size)
+                                     per_device, method_for(config).loader_batch_size(per_device))
     return start, skip, warning
 
 

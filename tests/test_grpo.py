@@ -65,6 +65,13 @@ def test_a_groups_draws_do_not_depend_on_the_rest_of_its_batch(tiny):
     assert torch.equal(both[:4], alone)
 
 
+def test_draws_follow_the_softmax_of_the_logits_at_the_temperature():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1e9, 0.5]]).repeat(100_000, 1)
+    drawn = sample_next(logits, 0.7, 1.0, torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(drawn, minlength=5) / drawn.numel()
+    assert (frequencies - (logits[0] / 0.7).softmax(-1)).abs().max() < 0.005 and frequencies[3] == 0
+
+
 def test_low_temperature_and_small_top_p_are_argmax():
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
     argmax = logits.argmax(-1)
@@ -257,3 +264,15 @@ def test_a_reward_function_that_raises_is_named_with_the_dataset_row(tmp_path, t
     method.rollout(accelerator, module, [collate(examples[:2])], 0)
     with pytest.raises(RewardError, match=r"mine:picky failed on .*data\.jsonl line 3: ValueError: no fay"):
         method.rollout(accelerator, module, [collate(examples[2:])], 0)
+
+
+def test_resuming_on_another_layout_skips_prompts_not_completions():
+    from praisonai_accel.worker.checkpoint import CheckpointState, resume_skip
+
+    # 3 steps of 2 processes x 8 completions (2 prompts of 4): 12 prompts of the epoch done
+    state = CheckpointState(global_step=3, epoch=0, batches_in_epoch=3, samples_in_epoch=12, samples_seen=12,
+                            world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                            run_fingerprint="", config_fingerprint="")
+    assert resume_skip(state, 2, 8, 2) == (3, None)
+    skip, warning = resume_skip(state, 1, 16, 4)  # 1 process x 16 completions: 4 prompts a batch
+    assert skip == 3 and "continuing at sample 12" in warning

@@ -35,12 +35,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         drop = (probs.cumsum(-1) - probs) > top_p
         ordered = ordered.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    probs = logits.softmax(-1)
-    if not isinstance(generators, (list, tuple)):
-        return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
-    size = probs.size(0) // len(generators)
-    return torch.cat([torch.multinomial(probs[i * size:(i + 1) * size], 1, generator=g)
-                      for i, g in enumerate(generators)]).squeeze(-1)
+    # Inverse-CDF sampling, one uniform draw per row: the same distribution as torch.multinomial, which on CPU draws
+    # one random number per vocabulary entry (6x slower than the whole step at a 128k vocabulary).
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    groups = generators if isinstance(generators, (list, tuple)) else [generators]
+    size = logits.size(0) // len(groups)
+    uniform = torch.cat([torch.rand(size, generator=g, dtype=torch.float64, device=logits.device) for g in groups])
+    # the first token whose cumulative probability exceeds the draw: never one of probability 0 (cut by top_p)
+    token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return token.clamp_(max=logits.size(-1) - 1)
 
 
 def completion_mask(completions: torch.Tensor, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,7 +241,8 @@ def load_state(accelerator, checkpoint: Path, model, optimizer, scheduler) -> No
     load_scheduler(scheduler, checkpoint)
 
 
-def resume_skip(state: CheckpointState, world: int, per_device: int) -> tuple[int, str | None]:
+def resume_skip(state: CheckpointState, world: int, per_device: int,
+                examples_per_batch: int | None = None) -> tuple[int, str | None]:
     """Micro-batches each rank skips in the resumed epoch, and a warning if the layout changed.
 
     The sampler's order does not depend on the world size, so the same samples can be skipped
@@ -249,7 +250,8 @@ def resume_skip(state: CheckpointState, world: int, per_device: int) -> tuple[in
     """
     if state.world_size == world and state.per_device_train_batch_size == per_device:
         return state.batches_in_epoch, None
-    global_batch = world * per_device
+    # the loader's examples per batch (GRPO: prompts; its per_device_train_batch_size counts completions)
+    global_batch = world * (examples_per_batch or per_device)
     if state.samples_in_epoch % global_batch:
         raise ConfigError(
             f"resume_from_checkpoint: the checkpoint was taken after {state.samples_in_epoch} samples of epoch "

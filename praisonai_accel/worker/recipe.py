@@ -317,6 +317,7 @@ class Recipe:
 
     def evaluate(self) -> tuple[float, dict[str, float]]:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
+        batch_size = max(1, self.method.loader_batch_size(batch_size))
         result = evaluate(self.accelerator, self.model, self.method, self.eval_data, self.collate, batch_size, self.sp)
         reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
         return result

@@ -276,3 +276,10 @@ def test_resuming_on_another_layout_skips_prompts_not_completions():
     assert resume_skip(state, 2, 8, 2) == (3, None)
     skip, warning = resume_skip(state, 1, 16, 4)  # 1 process x 16 completions: 4 prompts a batch
     assert skip == 3 and "continuing at sample 12" in warning
+
+
+def test_preview_shows_a_prompt_with_nothing_trained():
+    from praisonai_accel.preview import example_parts
+
+    (title, ids, labels), = example_parts({"prompt_input_ids": [5, 6, 7], "row": [123], "row_number": [0, 1, 1]})
+    assert title.startswith("prompt") and ids == [5, 6, 7] and labels == [-100] * 3

@@ -1,7 +1,8 @@
 """GRPO through the CLI, with real processes (the in-process proofs are test_grpo.py):
 
-- 2 processes x B prompts give the losses, the logged completions and the adapter of 1 process x 2B (each prompt's
-  group samples from its own generator, so the completions are the same), and kl is 0 at step 0 with beta > 0;
+- 2 processes x B prompts give the losses, the logged completions and the adapter of 1 process x 2B, and of 1 process
+  x B with accumulation 2 (each prompt's group samples from its own generator, so the completions are the same), and
+  kl is 0 at step 0 with beta > 0;
 - the reward rises on 2 processes under FSDP2, fully fine-tuned (generation through the sharded module, the ranks
   stopping together; the frozen reference copy sharded too), and evaluation rolls out held-out prompts (eval_reward);
 - SIGKILL mid-run, then the same command: the resumed run samples the same completions (completions.jsonl) and ends
@@ -65,20 +66,23 @@ def _adapter_diff(a, b):
 
 
 def test_2_processes_x_B_prompts_give_the_run_of_1_process_x_2B(tmp_path, tiny_model):
-    for name, flags, batch in (("2xB", TWO, 8), ("1x2B", ("--cpu",), 16)):
-        result = cli("train", str(_config(tmp_path / name, tiny_model, max_steps=3, per_device_train_batch_size=batch,
-                                          learning_rate=5e-3)),
-                     *flags)
+    runs = (("2xB", TWO, 8, 1), ("1x2B", ("--cpu",), 16, 1), ("1xBx2", ("--cpu",), 8, 2))  # the last: accumulation 2
+    for name, flags, batch, accumulation in runs:
+        config = _config(tmp_path / name, tiny_model, max_steps=3, per_device_train_batch_size=batch,
+                         gradient_accumulation_steps=accumulation, learning_rate=5e-3)
+        result = cli("train", str(config), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
-    two, one = tmp_path / "2xB" / "out", tmp_path / "1x2B" / "out"
-    steps2, steps1 = _steps(two), _steps(one)
+    two = tmp_path / "2xB" / "out"
+    steps2 = _steps(two)
     assert steps2[0]["kl"] == 0.0 and steps2[-1]["kl"] > 0  # the reference is the adapter disabled
-    for key in ("loss", "reward", "reward_std", "completions/mean_length", "rewards/short/mean"):
-        assert max(abs(a[key] - b[key]) for a, b in zip(steps2, steps1)) <= 1e-5, key
-    # rank 0's first prompts are the single process's first: the same completions, the same rewards
-    assert [(c["step"], c["completion"]) for c in _completions(two)] == \
-        [(c["step"], c["completion"]) for c in _completions(one)]
-    assert _adapter_diff(two, one) <= 1e-5
+    for other in ("1x2B", "1xBx2"):
+        out = tmp_path / other / "out"
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "rewards/short/mean"):
+            assert max(abs(a[key] - b[key]) for a, b in zip(steps2, _steps(out))) <= 1e-5, (other, key)
+        # rank 0's first prompts are the single process's first: the same completions, the same rewards
+        assert [(c["step"], c["completion"]) for c in _completions(two)] == \
+            [(c["step"], c["completion"]) for c in _completions(out)]
+        assert _adapter_diff(two, out) <= 1e-5, other
 
 
 def test_the_reward_rises_on_2_processes_under_fsdp_and_evaluation_rolls_out(tmp_path, tiny_model):

@@ -151,7 +151,7 @@ class GRPO(TrainingMethod):
                 scored.append(rollouts.generate_and_score(self, accelerator, module, batch, (config.seed, *key), state))
             rollouts.set_advantages(self, accelerator, scored)
             for batch in scored:
-                rollouts.add_reference(self, module, batch)
+                rollouts.add_reference(self, accelerator, module, batch)
         finally:
             module.train(was_training)
         if global_step is not None and accelerator.is_main_process and config.log_completions \

@@ -3,7 +3,8 @@
 Generation goes through the unwrapped policy under DDP or on one process (each rank stops when its own rows have
 ended), and through the prepared module under FSDP2, whose every forward all-gathers weights: there the ranks agree
 after each token whether all of them are done (one all-reduce of a flag), so they run the same number of forwards.
-Reference log-probs go through the prepared module on every rank alike (one forward per micro-batch).
+Reference log-probs go through the prepared module under FSDP2 (one forward per micro-batch on every rank alike),
+through the module inside it otherwise.
 """
 
 from __future__ import annotations
@@ -111,10 +112,13 @@ def set_advantages(method, accelerator, scored: list[dict]) -> None:
             record["advantage"] = advantage
 
 
-def add_reference(method, module, batch: dict) -> None:
+def add_reference(method, accelerator, module, batch: dict) -> None:
     if method.config.beta <= 0:
         return
-    batch["ref_logps"] = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+    # Under FSDP2 through the prepared module (its forward gathers the weights); under DDP through the module inside:
+    # a DDP forward between the micro-batches' backwards would upset its unused-parameter bookkeeping.
+    through = module if accelerator.distributed_type.name == "FSDP" else accelerator.unwrap_model(module)
+    batch["ref_logps"] = through(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                 position_ids=batch["position_ids"], labels=batch["labels"],
                                 completion_mask=batch["completion_mask"], mode="logps", reference=True)
 

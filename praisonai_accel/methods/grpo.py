@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
-import torch
 
 from . import grpo_data, grpo_loss
 from .base import TrainingMethod
 from .rollout import LENGTH
 
-log = logging.getLogger("praisonai_accel")
 FILLER = "filler"
 ROLLED = "completion_mask"  # a batch that has been through the rollout holds it
 COMPLETIONS_FILE = "completions.jsonl"

@@ -192,6 +192,7 @@ def _setup(tmp_path, model_dir, tokenizer, **overrides):
 def test_a_rollout_is_deterministic_given_seed_and_step_and_kl_is_0_at_step_0(tmp_path, tiny_model, tiny):
     _, tokenizer = tiny
     method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer, beta=0.1)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in method.stop_ids  # the chat template's end of turn
     first = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
     again = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
     later = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 1)

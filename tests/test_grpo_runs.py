@@ -101,7 +101,8 @@ def test_the_reward_rises_on_2_processes_under_fsdp_and_evaluation_rolls_out(tmp
 
 
 def test_sigkill_then_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tmp_path, tiny_model):
-    exact = dict(max_steps=8, per_device_train_batch_size=8, num_completions_to_print=8)
+    # gradient checkpointing on: generation still runs with the KV cache (eval mode), and training recomputes
+    exact = dict(max_steps=8, per_device_train_batch_size=8, num_completions_to_print=8, use_gradient_checkpointing=True)
     result = cli("train", str(_config(tmp_path / "reference", tiny_model, **exact)), *TWO)
     assert result.returncode == 0, result.stderr[-3000:]
     reference = tmp_path / "reference" / "out"

@@ -98,6 +98,8 @@ def test_the_reward_rises_on_2_processes_under_fsdp_and_evaluation_rolls_out(tmp
     evals = [m for m in read_metrics(out) if "eval_loss" in m]
     assert len(evals) == 2 and evals[-1]["eval_reward"] > evals[0]["eval_reward"]  # held-out prompts, rolled out
     assert all("eval_completions/mean_length" in m for m in evals)
+    report = cli("report", str(out))
+    assert report.returncode == 0 and f"reward (first -> last)  {rewards[0]:.4f} -> {rewards[-1]:.4f}" in report.stdout
 
 
 def test_sigkill_then_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tmp_path, tiny_model):

@@ -33,7 +33,9 @@ class MethodKeys(BaseModel):
     epsilon: float = Field(default=0.2, ge=0)  # the clipping range's lower side
     epsilon_high: float | None = Field(default=None, ge=0)  # its upper side (DAPO's clip-higher); default epsilon
     scale_rewards: Literal["group", "batch", "none"] = "group"  # what advantages are divided by: the std of ...
-    num_iterations: int = Field(default=1, gt=0)  # optimizer steps on each generated batch (TRL's mu)
+    # optimizer steps on each generated batch (TRL's mu); > 1: the ratio to the generating policy's log-probs is
+    # clipped, and a checkpoint mid-way holds the batch (rollout_<rank>.safetensors)
+    num_iterations: int = Field(default=1, gt=0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add nothing to the loss
     log_completions: bool = True  # a few prompts, completions and rewards in output_dir/logs/completions.jsonl
     num_completions_to_print: int = Field(default=4, ge=0)  # how many, every logging_steps

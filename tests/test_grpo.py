@@ -267,6 +267,57 @@ def test_a_reward_function_that_raises_is_named_with_the_dataset_row(tmp_path, t
         method.rollout(accelerator, module, [collate(examples[2:])], 0)
 
 
+def test_num_iterations_trains_on_one_rollout_with_the_generating_policys_log_probs(tmp_path, tiny_model, tiny):
+    """num_iterations 2: step 1 gets step 0's completions and old log-probs (taken at generation, the policy as it
+    was); after an optimizer step the ratio to them moves, and clip_ratio is no longer 0. Mid-way, the rollout is
+    saved with the checkpoint (safetensors) and read back as it was."""
+    from praisonai_accel.methods import method_for
+
+    _, tokenizer = tiny
+    method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer, num_iterations=2,
+                                                            beta=0.05, epsilon=0.01)
+    from praisonai_accel.methods.rewards import _checked
+
+    def length(completions, **kwargs):  # rewards that differ within a group: advantages that are not 0
+        return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+
+    method.reward_functions = [_checked("mine:length", length, 1.0, "reward_funcs[0]")]
+    group = [collate(examples[:2]), collate(examples[2:])]
+    first = method.rollout(accelerator, module, group, 0)
+    inner = accelerator.unwrap_model(module)
+    for batch in first:
+        args = [batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels", "completion_mask")]
+        with torch.no_grad():
+            assert torch.equal(batch["old_logps"], inner.token_logps(inner.causal_lm, *args))
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
+    for batch in first:
+        loss, metrics = method.forward(module, batch)
+        assert float(metrics["clip_ratio"]) == 0.0  # iteration 0: the ratio is 1
+        (loss / float(method.units(batch))).backward()
+    old = [b["old_logps"].clone() for b in first]
+    optimizer.step()
+    second = method.rollout(accelerator, module, group, 1)
+    assert [b["completion_digest"] for b in second] == [b["completion_digest"] for b in first]
+    assert all(torch.equal(b["old_logps"], o) for b, o in zip(second, old))
+    assert sum(float(method.forward(module, b)[1]["clip_ratio"]) for b in second) > 0
+
+    method.save_state(tmp_path, accelerator, 1)
+    assert (tmp_path / "rollout_0.safetensors").is_file()
+    resumed = method_for(method.config)
+    resumed.load_state(tmp_path, accelerator, 1)
+    again = resumed.rollout(accelerator, module, group, 1)
+    for a, b in zip(again, first):
+        assert {k for k in b if k != "rollout_sums"} <= set(a)
+        assert all(torch.equal(a[k], b[k]) for k in b if isinstance(b[k], torch.Tensor))
+        assert all(torch.equal(a["rollout_sums"][k], v) for k, v in b["rollout_sums"].items())
+        assert a["prompts"] == b["prompts"] and a["completion_digest"] == b["completion_digest"]
+    with pytest.raises(RuntimeError, match="step 3 trains on the rollout of step 2"):
+        method.rollout(accelerator, module, group, 3)
+    (tmp_path / "rollout_0.safetensors").unlink()
+    with pytest.raises(Exception, match="holds no rollout for rank 0"):
+        method_for(method.config).load_state(tmp_path, accelerator, 3)
+
+
 def test_resuming_on_another_layout_skips_prompts_not_completions():
     from praisonai_accel.worker.checkpoint import CheckpointState, resume_skip
 

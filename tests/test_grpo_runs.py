@@ -6,14 +6,18 @@
 - the reward rises on 2 processes under FSDP2, fully fine-tuned (generation through the sharded module, the ranks
   stopping together; the frozen reference copy sharded too), and evaluation rolls out held-out prompts (eval_reward);
 - SIGKILL mid-run, then the same command: the resumed run samples the same completions (completions.jsonl) and ends
-  with the adapter of the uninterrupted run;
-- use_vllm and num_iterations > 1 are refused before launch, with one line.
+  with the adapter of the uninterrupted run; with num_iterations 2 from a checkpoint taken mid-way through a
+  generated batch's two steps (its rollout saved with it);
+- use_vllm is refused before launch, with one line;
+- a reward function that raises stops a 2-process run with one line and the worker's exit code, 3.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+
+import pytest
 
 from conftest import cli, load_adapter, read_metrics, read_summary, write_config
 from test_checkpoint import TWO, start, wait_for_step
@@ -30,6 +34,10 @@ def letters(completions, **kwargs):
 
 def reversed_words(completions, answer, **kwargs):
     return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+
+def picky(completions, answer, **kwargs):
+    raise ValueError("cannot score this")
 '''
 GRPO = dict(method="grpo", reward_funcs=["rewards:short", "rewards:reversed_words"], num_generations=4,
             max_completion_length=8, max_seq_length=64, max_prompt_length=32, beta=0.05, learning_rate=2e-2,
@@ -102,14 +110,21 @@ def test_the_reward_rises_on_2_processes_under_fsdp_and_evaluation_rolls_out(tmp
     assert report.returncode == 0 and f"reward (first -> last)  {rewards[0]:.4f} -> {rewards[-1]:.4f}" in report.stdout
 
 
-def test_sigkill_then_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tmp_path, tiny_model):
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_sigkill_then_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tmp_path, tiny_model,
+                                                                                        num_iterations):
     # gradient checkpointing on: generation still runs with the KV cache (eval mode), and training recomputes
-    exact = dict(max_steps=8, per_device_train_batch_size=8, num_completions_to_print=8, use_gradient_checkpointing=True)
+    exact = dict(max_steps=8, per_device_train_batch_size=8, num_completions_to_print=8,
+                 use_gradient_checkpointing=True, num_iterations=num_iterations)
+    save_steps = 1 if num_iterations == 1 else 3  # 3: mid-way through the batch generated at step 2
     result = cli("train", str(_config(tmp_path / "reference", tiny_model, **exact)), *TWO)
     assert result.returncode == 0, result.stderr[-3000:]
     reference = tmp_path / "reference" / "out"
+    if num_iterations > 1:  # a generated batch's second step: the policy has moved away from the one that sampled
+        clipped = [m["clip_ratio"] for m in _steps(reference)]
+        assert clipped[0::2] == [0.0] * 4 and any(c > 0 for c in clipped[1::2]), clipped
 
-    config = _config(tmp_path / "killed", tiny_model, save_steps=1, **exact)
+    config = _config(tmp_path / "killed", tiny_model, save_steps=save_steps, **exact)
     out = tmp_path / "killed" / "out"
     proc = start(config, *TWO)
     wait_for_step(out, 4, proc)
@@ -117,16 +132,19 @@ def test_sigkill_then_resume_samples_the_same_completions_and_ends_with_the_same
     proc.wait(timeout=10)
     assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
     assert not workers_left(config)
+    if num_iterations > 1:
+        manifest = json.loads((out / "checkpoint-3" / "MANIFEST.json").read_text())
+        assert {"rollout_0.safetensors", "rollout_1.safetensors"} <= set(json.dumps(manifest).split('"'))
     result = cli("train", str(config), *TWO)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stderr
+    assert "resumed from" in result.stderr and (num_iterations == 1 or "checkpoint-3 at step 3" in result.stderr)
     assert _completions(out) == _completions(reference)
     assert [m["loss"] for m in _steps(out)] == [m["loss"] for m in _steps(reference)]
     assert _adapter_diff(out, reference) <= 1e-6
 
 
-def test_use_vllm_and_num_iterations_are_refused_before_launch(tmp_path, tiny_model):
-    for key, value, words in (("use_vllm", True, "use_vllm:"), ("num_iterations", 2, "num_iterations: 2")):
+def test_use_vllm_is_refused_before_launch(tmp_path, tiny_model):
+    for key, value, words in (("use_vllm", True, "use_vllm:"),):
         config = _config(tmp_path / key, tiny_model, max_steps=1, per_device_train_batch_size=4, **{key: value})
         result = cli("train", str(config), "--cpu")
         assert result.returncode == 2, result.stderr[-2000:]
@@ -148,3 +166,13 @@ def test_demo_grpo_trains_the_sft_demo_first_then_teaches_it_to_reverse_four_nam
     assert "after 150 GRPO steps on 2 processes" in line
     rewards = [m["reward"] for m in read_metrics(tmp_path / "demo" / "grpo_outputs") if "reward" in m]
     assert rewards[-1] > rewards[0] + 0.1, rewards
+
+
+def test_a_reward_function_that_raises_exits_3_through_the_cli_on_2_processes(tmp_path, tiny_model):
+    """The worker exits 3 (worker/main.py's table); torchrun would make it 1: the CLI passes the worker's code on."""
+    config = _config(tmp_path, tiny_model, max_steps=2, per_device_train_batch_size=8, reward_funcs=["rewards:picky"])
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 3, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: reward function rewards:picky failed on "), result.stderr
+    assert "ValueError: cannot score this" in errors[0] and "Traceback" not in result.stderr

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 from . import grpo_data, grpo_loss
 from .base import TrainingMethod
@@ -27,6 +28,7 @@ from .rollout import LENGTH
 FILLER = "filler"
 ROLLED = "completion_mask"  # a batch that has been through the rollout holds it
 COMPLETIONS_FILE = "completions.jsonl"
+BUFFER_FILE = "rollout_{rank}.safetensors"  # in a checkpoint taken mid-way through a batch's num_iterations steps
 
 
 def reward_names(config) -> list[str]:
@@ -50,6 +52,9 @@ class GRPO(TrainingMethod):
         self.unit = {"grpo": "completions", "dr_grpo": "completions x max_completion_length"}.get(
             config.loss_type, "completion tokens")
         self.names = reward_names(config)
+        self.steps_per_batch = config.num_iterations  # the recipe hands rollout each step's prompts that many times
+        self._buffer: list[dict] | None = None  # the generated batch being trained on (num_iterations > 1)
+        self._buffer_step = -1  # the step that generated it
         self.metric_names = (*grpo_loss.POLICY_METRICS, *rollout_metric_names(self.names))
         self.reward_functions = None  # loaded with the loss module (rewards.load_reward_functions)
         self.tokenizer = None
@@ -133,6 +138,13 @@ class GRPO(TrainingMethod):
         if global_step is not None:
             self._last_step, self._total_steps, self._epoch = global_step, total_steps, epoch
             self._eval_batches = 0
+            if global_step % self.steps_per_batch:  # TRL's num_iterations: the batch generated at the cycle's start
+                generated = global_step - global_step % self.steps_per_batch
+                if self._buffer is None or self._buffer_step != generated:
+                    raise RuntimeError(f"num_iterations: step {global_step} trains on the rollout of step {generated}, "
+                                       "which this process does not hold")
+                return self._buffer
+            self._buffer = None  # the last batch's steps are done: its memory is free for the next rollout
         state = TrainerState(self._last_step, self._total_steps, self._epoch)
         config = self.config
         was_training = module.training
@@ -149,12 +161,46 @@ class GRPO(TrainingMethod):
             rollouts.set_advantages(self, accelerator, scored)
             for batch in scored:
                 rollouts.add_reference(self, accelerator, module, batch)
+                if global_step is not None and self.steps_per_batch > 1:
+                    rollouts.add_old_logps(accelerator, module, batch)
         finally:
             module.train(was_training)
-        if global_step is not None and accelerator.is_main_process and config.log_completions \
-                and (global_step + 1) % config.logging_steps == 0:
+        # logged when generated, under the first step trained on it, if any of its steps is a logging step
+        logs = global_step is not None and (global_step + self.steps_per_batch) // config.logging_steps > \
+            global_step // config.logging_steps
+        if logs and accelerator.is_main_process and config.log_completions:
             self._log_completions(global_step + 1, scored[0])
+        if global_step is not None and self.steps_per_batch > 1:
+            self._buffer, self._buffer_step = scored, global_step
         return scored
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_state(self, directory, accelerator, global_step: int) -> None:
+        """Mid-way through a generated batch's num_iterations steps, each rank's rollout: the policy that generated
+        it is gone, so a resumed run reads it back (safetensors; never a pickle)."""
+        if global_step % self.steps_per_batch and self._buffer is not None:
+            from .rollout import save_buffer
+
+            save_buffer(Path(directory) / BUFFER_FILE.format(rank=accelerator.process_index), self._buffer,
+                        self._buffer_step)
+
+    def load_state(self, directory, accelerator, global_step: int) -> None:
+        if not global_step % self.steps_per_batch:
+            return
+        from ..config import ConfigError
+        from .rollout import load_buffer
+
+        path = Path(directory) / BUFFER_FILE.format(rank=accelerator.process_index)
+        if not path.is_file():
+            raise ConfigError(f"resume_from_checkpoint: {Path(directory).name} was taken mid-way through a generated "
+                              f"batch's num_iterations: {self.steps_per_batch} steps and holds no rollout for rank "
+                              f"{accelerator.process_index} ({path.name}); resume with the processes and "
+                              "num_iterations it was saved with")
+        self._buffer, self._buffer_step = load_buffer(path, accelerator.device)
+        if self._buffer_step != global_step - global_step % self.steps_per_batch:
+            raise ConfigError(f"resume_from_checkpoint: {path} holds the rollout of step {self._buffer_step}, which "
+                              f"step {global_step} does not train on with num_iterations: {self.steps_per_batch}; "
+                              "resume with the num_iterations it was saved with")
 
     def _log_completions(self, step: int, batch: dict) -> None:
         """A few prompts with their completions and rewards in output_dir/logs/completions.jsonl (rank 0's first

@@ -113,14 +113,62 @@ def set_advantages(method, accelerator, scored: list[dict]) -> None:
 
 
 def add_reference(method, accelerator, module, batch: dict) -> None:
-    if method.config.beta <= 0:
-        return
+    if method.config.beta > 0:
+        batch["ref_logps"] = _logps(accelerator, module, batch, reference=True)
+
+
+def add_old_logps(accelerator, module, batch: dict) -> None:
+    """num_iterations > 1: the log-probs of the policy that generated the completions (no gradients, eval mode),
+    which the importance ratio of every step trained on them divides by, as TRL's old_per_token_logps."""
+    batch["old_logps"] = _logps(accelerator, module, batch, reference=False)
+
+
+def _logps(accelerator, module, batch: dict, reference: bool):
     # Under FSDP2 through the prepared module (its forward gathers the weights); under DDP through the module inside:
     # a DDP forward between the micro-batches' backwards would upset its unused-parameter bookkeeping.
     through = module if accelerator.distributed_type.name == "FSDP" else accelerator.unwrap_model(module)
-    batch["ref_logps"] = through(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                position_ids=batch["position_ids"], labels=batch["labels"],
-                                completion_mask=batch["completion_mask"], mode="logps", reference=True)
+    return through(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], labels=batch["labels"],
+                   completion_mask=batch["completion_mask"], mode="logps", reference=reference)
+
+
+def save_buffer(path, scored: list[dict], step: int) -> None:
+    """A step's scored micro-batches as safetensors: tensors as tensors, the rest (counts, log records) as JSON in
+    the file's metadata; `step`: the step that generated them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors, rest = {}, []
+    for index, batch in enumerate(scored):
+        plain = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}/{key}"] = value.detach().cpu().contiguous()
+            elif key == "rollout_sums":
+                tensors.update({f"{index}/rollout_sums/{k}": v.detach().cpu().contiguous() for k, v in value.items()})
+            else:
+                plain[key] = value
+        rest.append(plain)
+    save_file(tensors, str(path), metadata={"step": str(step), "batches": json.dumps(rest, default=str)})
+
+
+def load_buffer(path, device) -> tuple[list[dict], int]:
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        metadata = handle.metadata()
+        scored = [dict(plain, rollout_sums={}) for plain in json.loads(metadata["batches"])]
+        for name in handle.keys():
+            index, key = name.split("/", 1)
+            value = handle.get_tensor(name).to(device)
+            if key.startswith("rollout_sums/"):
+                scored[int(index)]["rollout_sums"][key.removeprefix("rollout_sums/")] = value
+            else:
+                scored[int(index)][key] = value
+    return scored, int(metadata["step"])
 
 
 def _number(value: torch.Tensor):

@@ -5,6 +5,7 @@ Layout of output_dir/checkpoint-<step>/:
     optimizer.bin, random_states_<rank>.pkl (one per rank)
     scheduler.json             the LR scheduler's state (ints and floats), never a pickle
     adapter/                   a loadable PEFT adapter + tokenizer (LoRA runs)
+    rollout_<rank>.safetensors GRPO mid-way through a generated batch's num_iterations steps (a method's state)
     praisonai_state.json       step, epoch, position in the epoch, samples seen, world size, batch, config hash
     MANIFEST.json              size and content hash of every file above (checkpoint_manifest), checked on resume
     COMPLETE                   written last; a checkpoint without it is ignored
@@ -343,8 +344,9 @@ def trained_model_and_state(accelerator, model, trainable_only: bool = False):
 
 
 def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_dir: Path, state: CheckpointState,
-                    uses_lora: bool) -> Path:
-    """Every rank calls this; rank 0 finalises. Returns the complete checkpoint's path."""
+                    uses_lora: bool, method_state=None) -> Path:
+    """Every rank calls this; rank 0 finalises. Returns the complete checkpoint's path. `method_state(directory)`:
+    called on every rank before the manifest is written (the training method's own state, methods/base.py)."""
     final = Path(output_dir) / f"checkpoint-{state.global_step}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -360,6 +362,8 @@ def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_
         if accelerator.is_main_process:
             causal_lm.save_pretrained(tmp / "adapter", state_dict=state_dict)
             tokenizer.save_pretrained(tmp / "adapter")
+    if method_state is not None:
+        method_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_scheduler(scheduler, tmp)

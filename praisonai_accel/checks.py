@@ -56,8 +56,14 @@ def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, i
 
     # The ranks of a sequence-parallel group share their rows: the data-parallel size is what reads the data.
     per_device = config.per_device_train_batch_size
-    skip, warning = ckpt.resume_skip(ckpt.CheckpointState.read(start), num_processes // config.sequence_parallel_size,
-                                     per_device, method_for(config).loader_batch_size(per_device))
+    saved, method = ckpt.CheckpointState.read(start), method_for(config)
+    world = num_processes // config.sequence_parallel_size
+    if saved.global_step % method.steps_per_batch and (saved.world_size, saved.per_device_train_batch_size) != \
+            (world, per_device):  # each process holds the rollout of its own prompts
+        raise ConfigError(f"resume_from_checkpoint: {start.name} was taken mid-way through a generated batch's "
+                          f"num_iterations: {method.steps_per_batch} steps by {saved.world_size} process(es) x batch "
+                          f"{saved.per_device_train_batch_size}; resume it with that layout")
+    skip, warning = ckpt.resume_skip(saved, world, per_device, method.loader_batch_size(per_device))
     return start, skip, warning
 
 

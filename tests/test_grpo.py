@@ -311,6 +311,11 @@ def test_num_iterations_trains_on_one_rollout_with_the_generating_policys_log_pr
         assert all(torch.equal(a[k], b[k]) for k in b if isinstance(b[k], torch.Tensor))
         assert all(torch.equal(a["rollout_sums"][k], v) for k, v in b["rollout_sums"].items())
         assert a["prompts"] == b["prompts"] and a["completion_digest"] == b["completion_digest"]
+    from praisonai_accel.methods.rollout import load_buffer, save_buffer
+
+    save_buffer(tmp_path / "rollout_0.safetensors", *load_buffer(tmp_path / "rollout_0.safetensors", "cpu")[:2], 2)
+    with pytest.raises(Exception, match="taken by 2 process.*resume it with 2 process.*not 1"):
+        method_for(method.config).load_state(tmp_path, accelerator, 1)
     with pytest.raises(RuntimeError, match="step 3 trains on the rollout of step 2"):
         method.rollout(accelerator, module, group, 3)
     (tmp_path / "rollout_0.safetensors").unlink()
@@ -328,6 +333,27 @@ def test_resuming_on_another_layout_skips_prompts_not_completions():
     assert resume_skip(state, 2, 8, 2) == (3, None)
     skip, warning = resume_skip(state, 1, 16, 4)  # 1 process x 16 completions: 4 prompts a batch
     assert skip == 3 and "continuing at sample 12" in warning
+
+
+def test_a_checkpoint_mid_way_through_num_iterations_resumes_only_on_its_layout(tmp_path, tiny_model):
+    """Each process holds its own prompts' rollout: refused before launch (and by the worker) on another layout."""
+    from praisonai_accel.checks import resume_rule
+    from praisonai_accel.worker.checkpoint import MARKER, CheckpointState
+
+    config = _grpo_config(tmp_path, tiny_model, num_iterations=2, resume_from_checkpoint=True)
+    for step in (2, 3):
+        state = CheckpointState(global_step=step, epoch=0, batches_in_epoch=2, samples_in_epoch=8, samples_seen=8,
+                                world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                run_fingerprint=config.run_fingerprint(), config_fingerprint="")
+        directory = tmp_path / "out" / f"checkpoint-{step}"
+        directory.mkdir(parents=True)
+        state.write(directory)
+        (directory / MARKER).write_text(str(step))
+        if step == 2:  # on a batch's boundary: another layout continues at the same prompt
+            assert resume_rule(config, 1)[:2] == (directory, 4)  # 8 prompts, 2 a batch
+    assert resume_rule(config, 2)[:2] == (directory, 2)
+    with pytest.raises(Exception, match="checkpoint-3 was taken mid-way .* num_iterations: 2 steps by 2 process"):
+        resume_rule(config, 1)
 
 
 def test_preview_shows_a_prompt_with_nothing_trained():

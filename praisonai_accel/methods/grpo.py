@@ -182,7 +182,7 @@ class GRPO(TrainingMethod):
             from .rollout import save_buffer
 
             save_buffer(Path(directory) / BUFFER_FILE.format(rank=accelerator.process_index), self._buffer,
-                        self._buffer_step)
+                        self._buffer_step, accelerator.num_processes)
 
     def load_state(self, directory, accelerator, global_step: int) -> None:
         if not global_step % self.steps_per_batch:
@@ -196,7 +196,11 @@ class GRPO(TrainingMethod):
                               f"batch's num_iterations: {self.steps_per_batch} steps and holds no rollout for rank "
                               f"{accelerator.process_index} ({path.name}); resume with the processes and "
                               "num_iterations it was saved with")
-        self._buffer, self._buffer_step = load_buffer(path, accelerator.device)
+        self._buffer, self._buffer_step, processes = load_buffer(path, accelerator.device)
+        if processes != accelerator.num_processes:  # each process holds its own prompts' completions
+            raise ConfigError(f"resume_from_checkpoint: {Path(directory).name} was taken by {processes} process(es) "
+                              f"mid-way through a generated batch's num_iterations: {self.steps_per_batch} steps; "
+                              f"resume it with {processes} process(es), not {accelerator.num_processes}")
         if self._buffer_step != global_step - global_step % self.steps_per_batch:
             raise ConfigError(f"resume_from_checkpoint: {path} holds the rollout of step {self._buffer_step}, which "
                               f"step {global_step} does not train on with num_iterations: {self.steps_per_batch}; "

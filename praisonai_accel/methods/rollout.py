@@ -132,9 +132,9 @@ def _logps(accelerator, module, batch: dict, reference: bool):
                    completion_mask=batch["completion_mask"], mode="logps", reference=reference)
 
 
-def save_buffer(path, scored: list[dict], step: int) -> None:
+def save_buffer(path, scored: list[dict], step: int, processes: int) -> None:
     """A step's scored micro-batches as safetensors: tensors as tensors, the rest (counts, log records) as JSON in
-    the file's metadata; `step`: the step that generated them."""
+    the file's metadata; `step`: the step that generated them, with `processes` processes."""
     import json
 
     from safetensors.torch import save_file
@@ -150,10 +150,11 @@ def save_buffer(path, scored: list[dict], step: int) -> None:
             else:
                 plain[key] = value
         rest.append(plain)
-    save_file(tensors, str(path), metadata={"step": str(step), "batches": json.dumps(rest, default=str)})
+    save_file(tensors, str(path), metadata={"step": str(step), "processes": str(processes), "batches": json.dumps(rest, default=str)})
 
 
-def load_buffer(path, device) -> tuple[list[dict], int]:
+def load_buffer(path, device) -> tuple[list[dict], int, int]:
+    """(the scored micro-batches, the step that generated them, the processes it ran on)."""
     import json
 
     from safetensors import safe_open
@@ -168,7 +169,7 @@ def load_buffer(path, device) -> tuple[list[dict], int]:
                 scored[int(index)]["rollout_sums"][key.removeprefix("rollout_sums/")] = value
             else:
                 scored[int(index)][key] = value
-    return scored, int(metadata["step"])
+    return scored, int(metadata["step"]), int(metadata["processes"])
 
 
 def _number(value: torch.Tensor):

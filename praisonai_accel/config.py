@@ -436,4 +436,6 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
-    return parse_config(data, source=str(path))
+    config = parse_config(data, source=str(path))
+    config._config_dir = str(path.resolve().parent)  # where methods/rewards.py looks for reward_funcs' modules first
+    return config

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 
 class MethodKeys(BaseModel):
@@ -33,12 +33,16 @@ class MethodKeys(BaseModel):
     epsilon: float = Field(default=0.2, ge=0)  # the clipping range's lower side
     epsilon_high: float | None = Field(default=None, ge=0)  # its upper side (DAPO's clip-higher); default epsilon
     scale_rewards: Literal["group", "batch", "none"] = "group"  # what advantages are divided by: the std of ...
-    num_iterations: int = Field(default=1, gt=0)  # optimizer steps on each generated batch (TRL's mu)
+    # optimizer steps on each generated batch (TRL's mu); > 1: the ratio to the generating policy's log-probs is
+    # clipped, and a checkpoint mid-way holds the batch (rollout_<rank>.safetensors)
+    num_iterations: int = Field(default=1, gt=0)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add nothing to the loss
     log_completions: bool = True  # a few prompts, completions and rewards in output_dir/logs/completions.jsonl
     num_completions_to_print: int = Field(default=4, ge=0)  # how many, every logging_steps
     use_vllm: bool = False  # rollouts by vLLM colocated on the GPU (the vllm extra), weights synced every step
     vllm_gpu_memory_utilization: float = Field(default=0.3, gt=0, lt=1)
+    # The directory of the config file (config.load_config sets it): reward_funcs' modules are looked for there first
+    _config_dir: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -46,6 +50,9 @@ class MethodKeys(BaseModel):
         """TRL's GRPO defaults where they differ from DPO's for a key both read."""
         if isinstance(data, dict) and data.get("method") == "grpo":
             data = {"beta": 0.0, "loss_type": "dapo", **data}
+            group = data.get("num_generations", cls.model_fields["num_generations"].default)
+            if isinstance(group, int) and not isinstance(group, bool):  # one group per device, as TRL's 8 and 8
+                data.setdefault("per_device_train_batch_size", group)
         return data
 
     @model_validator(mode="after")

@@ -60,6 +60,9 @@ def example_parts(row) -> list[tuple[str, list[int], list[int]]]:
     its label. A part's trained tokens are those whose label is not IGNORE_INDEX."""
     if "labels" in row:
         return [("", list(row["input_ids"]), list(row["labels"]))]
+    if "prompt_input_ids" in row:  # GRPO: a prompt; its completions are sampled during training
+        ids = list(row["prompt_input_ids"])
+        return [("prompt (completions are sampled in training)", ids, [IGNORE_INDEX] * len(ids))]
     if "chosen_input_ids" in row:
         sides = [("chosen", "chosen"), ("rejected", "rejected")]
     else:

@@ -34,15 +34,19 @@ class RunReport:
     elapsed_seconds: float | None
     checkpoints: list[str]
     adapter: str | None
+    rewards: tuple[float, float] | None = None  # GRPO: the first and last logged reward
 
     def rows(self) -> list[tuple[str, str]]:
         def number(value, fmt=".4f"):
             return "n/a" if value is None else format(value, fmt)
 
         planned = f" of {self.steps_planned}" if self.steps_planned else ""
+        reward = [("reward (first -> last)", f"{number(self.rewards[0])} -> {number(self.rewards[1])}")] \
+            if self.rewards else []
         return [
             ("status", self.status),
             ("steps", f"{self.steps_done}{planned}"),
+            *reward,
             ("loss (first -> last)", f"{number(self.first_loss)} -> {number(self.last_loss)}"),
             ("best training loss", number(self.best_loss)),
             ("best eval loss", number(self.best_eval_loss)),
@@ -83,6 +87,7 @@ def read_run(output_dir: Path) -> RunReport:
         elapsed_seconds=(steps[-1]["time"] - steps[0]["time"] + steps[0].get("step_seconds", 0)) if steps else None,
         checkpoints=[p.name for p in ckpt.complete_checkpoints(output_dir)],
         adapter=final if final and Path(final).is_dir() else None,
+        rewards=(rewards[0], rewards[-1]) if (rewards := [r["reward"] for r in steps if "reward" in r]) else None,
     )
 
 

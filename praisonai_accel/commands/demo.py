@@ -14,15 +14,17 @@ def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
     steps: int | None = typer.Option(None, "--steps", min=1,
-                                     help="optimizer steps (250 for sft, 30 for dpo, 120 for --vision)"),
-    method: str = typer.Option("sft", "--method", help="sft, or dpo: teach the SFT demo's model a preference"),
+                                     help="optimizer steps (250 for sft, 30 for dpo, 150 for grpo, 120 for --vision)"),
+    method: str = typer.Option("sft", "--method", help="sft; dpo: teach the SFT demo's model a preference; grpo: "
+                                                       "teach it, from a reward, to reverse four names"),
     vision: bool = typer.Option(False, "--vision",
                                 help="a tiny vision-language model learns the colour of drawn shapes"),
 ) -> None:
     """Build a tiny local model and a task with checkable answers (reverse 2 or 3 names), train it with N CPU
     processes, and show held-out answers and exact-match accuracy before and after. --method dpo starts from that
     model (training it first when it is absent) and teaches it, with DPO and LoRA, to prefer answers joined by commas
-    over the spaces it learned, showing held-out preference accuracy before and after. --vision: a tiny
+    over the spaces it learned, showing held-out preference accuracy before and after. --method grpo starts from it
+    too and teaches it, with GRPO and a reward for names in the right place, to reverse four names. --vision: a tiny
     vision-language model learns to name the colour of a drawn shape, held-out exact match before and after."""
     if vision:
         from .demo_vision import vision_demo
@@ -32,10 +34,14 @@ def demo_command(
 
             raise ConfigError(f"--vision: the vision demo trains with sft; drop --method {method}")
         return vision_demo(directory, processes, steps)
-    if method not in ("sft", "dpo"):
+    if method not in ("sft", "dpo", "grpo"):
         from ..config import ConfigError
 
-        raise ConfigError(f"--method: {method!r} has no demo; use sft or dpo")
+        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo or grpo")
+    if method == "grpo":
+        from .demo_grpo import grpo_demo
+
+        return grpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft"))
     if method == "dpo":
         from .demo_dpo import dpo_demo
 

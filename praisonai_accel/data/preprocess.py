@@ -92,6 +92,12 @@ def _row_of(raw: RawRows, position: int) -> dict:
     return raw.table[position] if raw.table is not None else raw.rows[position]
 
 
+def _number_rows(kept, column: str, raw: RawRows, source: int):
+    """[dataset index, 1 for a file's line / 0 for a table's row index, the number] of each kept example's row."""
+    numbers = [[source, 1, raw.lines[p]] if raw.lines is not None else [source, 0, p] for p in kept[_POSITION]]
+    return kept.remove_columns(column).add_column(column, numbers)
+
+
 def _encode_rows(table, method, fmt: str, spec: DatasetSpec, source: int, config: TrainConfig):
     def encode(example: dict) -> dict:
         row = json.loads(example[_JSON]) if _JSON in example else {k: v for k, v in example.items() if k != _POSITION}
@@ -149,6 +155,8 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, m
         invalid += refused
         skipped += sorted(refused + too_long, key=lambda row: row.position)
         kept = encoded.select(kept_rows) if encoded is not None else None
+        if kept is not None and getattr(method, "row_number_column", None):  # the method names rows in training
+            kept = _number_rows(kept, method.row_number_column, raw, index)
         sample = [_row_of(raw, p) for p in (kept[_POSITION][:MASKING_SAMPLE] if kept is not None else [])]
         sampled = getattr(method, "sample_problems", None)
         stats.datasets.append(DatasetStats(

@@ -50,6 +50,9 @@ def describe_worker_death(rank: int, exitcode: int, memory_note: str = "") -> st
     cause = _SIGNAL_CAUSES.get(number, f"was ended by {name}")
     return f"rank {rank} {cause}"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# The codes a worker exits with on purpose (worker/main.py's table, the watchdog's 124): torchrun exits 1 for any
+# failed worker, so the CLI exits with the worker's own code, as a single process (run without torchrun) does.
+WORKER_EXIT_CODES = (2, 3, 4, 124, 130, 143)
 
 
 class LauncherOutput:
@@ -110,6 +113,13 @@ class LauncherOutput:
         candidates = ([self.root_cause] if self.root_cause else []) + self.failures
         return min(candidates, key=preference) if candidates else None
 
+    def worker_code(self) -> int | None:
+        """The code a failed worker chose (WORKER_EXIT_CODES) from torchrun's report: the root cause's, or else the
+        first listed; None when no worker exited with one (a crash, a signal)."""
+        chosen = [f for f in ([self.root_cause] if self.root_cause else []) + self.failures
+                  if f[1] in WORKER_EXIT_CODES]
+        return chosen[0][1] if chosen else None
+
     def feed(self, line: str) -> None:
         if self._dropped(line):
             return
@@ -160,6 +170,8 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
             sys.stderr.write(f"error: {death} (each rank's log is in output_dir/logs/)\n")
         else:
             sys.stderr.write(f"error: training failed (launcher exit code {code}); each rank's log is in output_dir/logs/\n")
+    if output is not None and code != 0:
+        code = output.worker_code() or code
     return code
 
 

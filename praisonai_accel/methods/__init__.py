@@ -11,6 +11,10 @@ def method_for(config) -> TrainingMethod:
     name = getattr(config, "method", "sft")
     if name == "sft":
         return SFT(config)
+    if name == "grpo":
+        from .grpo import GRPO
+
+        return GRPO(config)
     from .preference import PreferenceMethod  # dpo, orpo, kto
 
     return PreferenceMethod(config)

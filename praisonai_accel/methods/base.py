@@ -29,6 +29,9 @@ class TrainingMethod:
     # labels already shifted on the whole row, position ids the row's) and `loss_module` must sum that slice's loss.
     # A method that cannot is refused before launch (checks.sequence_parallel_rule).
     supports_sequence_parallel: bool = False
+    # Optimizer steps each group of micro-batches the loader yields is trained for (GRPO's num_iterations): the
+    # recipe hands `rollout` the same group that many times, and counts it consumed after its last step.
+    steps_per_batch: int = 1
 
     def __init__(self, config):
         self.config = config
@@ -71,6 +74,25 @@ class TrainingMethod:
     def reduce_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
         """The logged values of metric sums gathered over micro-batches and ranks: means over units by default."""
         return {name: value / max(units, 1) for name, value in sorted(sums.items())}
+
+    def loader_batch_size(self, per_device_train_batch_size: int) -> int:
+        """Examples per micro-batch of each rank's loader (GRPO's per_device_train_batch_size counts completions, its
+        loader yields prompts)."""
+        return per_device_train_batch_size
+
+    def rollout(self, accelerator, module, group: list[dict], global_step: int, total_steps: int = 0,
+                epoch: float = 0.0) -> list[dict]:
+        """Called before each optimizer step with its micro-batches (`global_step`: the steps already taken, of
+        `total_steps`; `epoch`: fractional, as logged); returns the micro-batches to train on. An online method
+        generates and scores its examples here (GRPO)."""
+        return group
+
+    def save_state(self, directory, accelerator, global_step: int) -> None:
+        """Called on every rank while a checkpoint at `global_step` is written into `directory` (before its manifest):
+        what the method needs to resume exactly there, as safetensors or JSON (never a pickle). Default nothing."""
+
+    def load_state(self, directory, accelerator, global_step: int) -> None:
+        """Called on every rank when resuming from the checkpoint `directory` taken at `global_step`."""
 
     def before_training(self, accelerator, module, dataset, collate, output_dir):
         """Called once the module is prepared and before the first step (or the first step after a resume); returns

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 GRPO_KEYS = {"reward_funcs", "reward_weights", "reward_format_pattern", "num_generations", "max_completion_length",
              "temperature", "top_p", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
              "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm",
@@ -20,7 +22,9 @@ KEYS_BY_METHOD = {
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
-GRPO_METRICS = ("reward", "reward_std", "completions/mean_length", "clip_ratio", "kl")
+# grpo: clip_ratio is TRL's clip_ratio/region_mean; methods/grpo_loss.py computes the clip ratios and kl
+GRPO_METRICS = ("reward", "reward_std", "completions/mean_length", "clip_ratio", "clip_ratio/low_mean",
+                "clip_ratio/high_mean", "kl")
 METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS, "grpo": GRPO_METRICS}
 
 
@@ -79,10 +83,48 @@ def prompt_limit(config) -> int:
     return max(1, config.max_seq_length // 2)
 
 
+BUILTIN_REWARDS = ("exact_match", "format")  # methods/rewards.py
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def parse_reward_entry(entry: str, index: int) -> tuple[str | None, str]:
+    """(module, function) of reward_funcs[index]: "package.module:function", or TRL's "package.module.function";
+    (None, name) for a built-in. ValueError (one line) for anything else."""
+    entry = entry.strip()
+    if entry in BUILTIN_REWARDS:
+        return None, entry
+    module, colon, function = entry.partition(":")
+    if not colon:
+        module, _, function = entry.rpartition(".")
+    if not module or not _DOTTED.match(module) or not re.fullmatch(r"[A-Za-z_]\w*", function):
+        raise ValueError(f"reward_funcs[{index}]: {entry!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
+                         "\"package.module:function\"")
+    return module, function
+
+
 def _check_grpo(config) -> None:
     if not config.reward_funcs:
         raise ValueError("reward_funcs: method grpo needs at least one reward function (\"package.module:function\", "
                          "or a built-in: exact_match, format)")
+    for index, entry in enumerate(config.reward_funcs):
+        parse_reward_entry(entry, index)
+        if entry in config.reward_funcs[:index]:
+            raise ValueError(f"reward_funcs[{index}]: {entry!r} is listed twice; list each reward function once "
+                             "(reward_weights weighs it)")
+    fields = type(config).model_fields
+    if "format" in config.reward_funcs:
+        try:
+            re.compile(config.reward_format_pattern)
+        except re.error as exc:
+            raise ValueError(f"reward_format_pattern: {config.reward_format_pattern!r} is not a valid regular "
+                             f"expression: {exc}") from None
+    elif config.reward_format_pattern != fields["reward_format_pattern"].default:
+        raise ValueError("reward_format_pattern: only the built-in format reward reads it; add format to reward_funcs "
+                         "or remove it")
+    if prompt_limit(config) + config.max_completion_length > config.max_seq_length:
+        raise ValueError(f"max_completion_length: {config.max_completion_length} after a prompt of up to "
+                         f"max_prompt_length {prompt_limit(config)} does not fit in max_seq_length "
+                         f"{config.max_seq_length}; raise max_seq_length or lower one of them")
     if config.reward_weights is not None and len(config.reward_weights) != len(config.reward_funcs):
         raise ValueError(f"reward_weights: {len(config.reward_weights)} weight(s) for {len(config.reward_funcs)} "
                          "reward function(s); give one per function")

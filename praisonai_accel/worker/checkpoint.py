@@ -5,6 +5,7 @@ Layout of output_dir/checkpoint-<step>/:
     optimizer.bin, random_states_<rank>.pkl (one per rank)
     scheduler.json             the LR scheduler's state (ints and floats), never a pickle
     adapter/                   a loadable PEFT adapter + tokenizer (LoRA runs)
+    rollout_<rank>.safetensors GRPO mid-way through a generated batch's num_iterations steps (a method's state)
     praisonai_state.json       step, epoch, position in the epoch, samples seen, world size, batch, config hash
     MANIFEST.json              size and content hash of every file above (checkpoint_manifest), checked on resume
     COMPLETE                   written last; a checkpoint without it is ignored
@@ -242,7 +243,8 @@ def load_state(accelerator, checkpoint: Path, model, optimizer, scheduler) -> No
     load_scheduler(scheduler, checkpoint)
 
 
-def resume_skip(state: CheckpointState, world: int, per_device: int) -> tuple[int, str | None]:
+def resume_skip(state: CheckpointState, world: int, per_device: int,
+                examples_per_batch: int | None = None) -> tuple[int, str | None]:
     """Micro-batches each rank skips in the resumed epoch, and a warning if the layout changed.
 
     The sampler's order does not depend on the world size, so the same samples can be skipped
@@ -250,7 +252,8 @@ def resume_skip(state: CheckpointState, world: int, per_device: int) -> tuple[in
     """
     if state.world_size == world and state.per_device_train_batch_size == per_device:
         return state.batches_in_epoch, None
-    global_batch = world * per_device
+    # the loader's examples per batch (GRPO: prompts; its per_device_train_batch_size counts completions)
+    global_batch = world * (examples_per_batch or per_device)
     if state.samples_in_epoch % global_batch:
         raise ConfigError(
             f"resume_from_checkpoint: the checkpoint was taken after {state.samples_in_epoch} samples of epoch "
@@ -342,8 +345,9 @@ def trained_model_and_state(accelerator, model, trainable_only: bool = False):
 
 
 def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_dir: Path, state: CheckpointState,
-                    uses_lora: bool) -> Path:
-    """Every rank calls this; rank 0 finalises. Returns the complete checkpoint's path."""
+                    uses_lora: bool, method_state=None) -> Path:
+    """Every rank calls this; rank 0 finalises. Returns the complete checkpoint's path. `method_state(directory)`:
+    called on every rank before the manifest is written (the training method's own state, methods/base.py)."""
     final = Path(output_dir) / f"checkpoint-{state.global_step}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -359,6 +363,8 @@ def save_checkpoint(accelerator, model, optimizer, tokenizer, scheduler, output_
         if accelerator.is_main_process:
             causal_lm.save_pretrained(tmp / "adapter", state_dict=state_dict)
             save_processing(tokenizer, tmp / "adapter")  # a vision-language model's processor with it
+    if method_state is not None:
+        method_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_scheduler(scheduler, tmp)

@@ -64,13 +64,14 @@ def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared
     return train, evaluation, preprocess
 
 
-def train_loader(config: TrainConfig, dataset, collate, packing: bool):
+def train_loader(config: TrainConfig, dataset, collate, packing: bool, batch_size: int | None = None):
+    """`batch_size`: the method's examples per micro-batch (methods.TrainingMethod.loader_batch_size)."""
     import torch
     from torch.utils.data import DataLoader
 
     from ..data.packing import PackedDataset
 
-    common = {"batch_size": config.per_device_train_batch_size, "collate_fn": collate}
+    common = {"batch_size": batch_size or config.per_device_train_batch_size, "collate_fn": collate}
     lengths = dataset.lengths
     if packing:
         dataset = PackedDataset(dataset, lengths, config.max_seq_length)

@@ -27,6 +27,7 @@ PUBLISH_FAILED_EXIT_CODE = 4  # trained and saved, but a push or an Ollama creat
 FAILED_EXIT_CODE = 1
 BAD_INPUT_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130
+REWARD_FAILED_EXIT_CODE = 3  # method grpo: a user's reward function raised or returned something unusable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,14 +67,17 @@ def return_freed_memory_promptly() -> None:
 
 
 def _exit_codes():
+    from ..methods.rewards import RewardError
     from .preflight import PreflightError
     from .failures import DiskFull, Preempted
 
     # (error class, exit code, who prints its line, close the process group without waiting)
-    # "local rank 0": every rank hits the same bad input, say it once per machine; "rank 0": once per job.
+    # "local rank 0": every rank hits the same bad input, say it once per machine; "rank 0": once per job;
+    # "first": the rank that hit it (its own rows), once per job.
     return [
         (PreflightError, BAD_INPUT_EXIT_CODE, "local rank 0", False),  # its all-reduce may still be pending
         ((ConfigError, DataError, HandoffFailed), BAD_INPUT_EXIT_CODE, "local rank 0", True),
+        (RewardError, REWARD_FAILED_EXIT_CODE, "first", True),
         (DiskFull, FAILED_EXIT_CODE, "rank 0", True),
         (KeyboardInterrupt, INTERRUPTED_EXIT_CODE, "rank 0", False),
         (Preempted, PREEMPTED_EXIT_CODE, "rank 0", True),
@@ -135,7 +139,12 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
         if isinstance(exc, kinds):
             if code == BAD_INPUT_EXIT_CODE:
                 logging.getLogger("praisonai_accel").debug("%s", exc)
-            if (env.local_rank if speaker == "local rank 0" else env.rank) == 0:
+            if speaker == "first":
+                FILE_ONLY.error("rank %d: %s", env.rank, exc)
+                speaks = first_to_report(config.output_path())
+            else:
+                speaks = (env.local_rank if speaker == "local rank 0" else env.rank) == 0
+            if speaks:
                 print(_message(exc), file=sys.stderr)
             if close:
                 _close_process_group(wait_for_others=False)

@@ -7,9 +7,10 @@ import math
 from ..config import ConfigError, TrainConfig
 
 
-def plan_steps(config: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
-    """(optimizer steps per epoch, total optimizer steps)."""
-    per_epoch = max(1, math.ceil(batches_per_epoch / config.gradient_accumulation_steps))
+def plan_steps(config: TrainConfig, batches_per_epoch: int, steps_per_batch: int = 1) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps); `steps_per_batch`: steps each group of micro-batches is
+    trained for (GRPO's num_iterations)."""
+    per_epoch = max(1, math.ceil(batches_per_epoch / config.gradient_accumulation_steps)) * steps_per_batch
     total = config.max_steps if config.max_steps > 0 else per_epoch * config.num_train_epochs
     return per_epoch, total
 

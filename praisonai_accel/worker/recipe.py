@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, resume_rule, sequence_parallel_rule, vision_rule
+from ..checks import final_model_dir_rule, generation_rule, resume_rule, sequence_parallel_rule, vision_rule
 from ..config import ConfigError, TrainConfig
 from ..data.vision_processor import declares_images
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
@@ -46,7 +46,7 @@ from .metrics import MetricsLogger, Window
 from .optim import build_optimizer, build_scheduler, plan_steps
 from .preflight import run_preflight
 from .sharded_state import parameter_bytes, reshard
-from .step import micro_batch_groups, optimizer_step
+from .step import micro_batch_groups, optimizer_step, repeated_groups
 from .watchdog import Watchdog
 
 log = logging.getLogger("praisonai_accel")
@@ -103,6 +103,7 @@ class Recipe:
         quiet_libraries(self.verbose)
         final_model_dir_rule(config)  # accelerate launch / torchrun: not checked before launch
         sequence_parallel_rule(config, accelerator.num_processes)  # the model's heads: once it is loaded
+        generation_rule(config)
         self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
@@ -132,7 +133,8 @@ class Recipe:
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
                                                                          self.method.data(self.tokenizer))
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
-        loader = train_loader(config, train_data, self.collate, self.packing)
+        loader_batch = self.method.loader_batch_size(config.per_device_train_batch_size)
+        loader = train_loader(config, train_data, self.collate, self.packing, loader_batch)
         loss_module = self.method.loss_module(model, accelerator=accelerator, tokenizer=self.tokenizer, use_cuda=use_cuda)
         self.flop_counts = flop_counts(model)
         if self.reentrant and accelerator.num_processes > 1:
@@ -143,9 +145,9 @@ class Recipe:
         prepared = self.method.before_training(accelerator, self.model, train_data, self.collate, self.output_dir)
         if prepared is not train_data:  # the method attached what it computed once (reference log-probs)
             accelerator._dataloaders.remove(self.loader)  # one loader, as in a run without it: checkpoints agree
-            self.loader = accelerator.prepare(train_loader(config, prepared, self.collate, self.packing))
+            self.loader = accelerator.prepare(train_loader(config, prepared, self.collate, self.packing, loader_batch))
         self.parameter_bytes = parameter_bytes(self.model)
-        self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader))
+        self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader), self.method.steps_per_batch)
         self.scheduler = build_scheduler(config, self.optimizer, self.total_steps)
         ckpt.install_trainable_only_hooks(accelerator)
         self.state = self._fresh_state()
@@ -202,6 +204,7 @@ class Recipe:
         if self._resume_warning:
             log.warning(self._resume_warning)
         ckpt.load_state(accelerator, path, self.model, self.optimizer, self.scheduler)
+        self.method.load_state(path, accelerator, saved.global_step)
         accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(self.output_dir))
         self.state = saved
         self.state.batches_in_epoch = self.resume_skip
@@ -211,7 +214,8 @@ class Recipe:
         self.state.config_fingerprint = config.fingerprint()
         self.state.run_fingerprint, self.state.run_identity = config.run_fingerprint(), config.run_identity()
         self.state.model_commit = self.model_commit
-        self._rng_to_reapply = path if self.resume_skip else None
+        # mid-way through a group trained for several steps, the uninterrupted run drew its iterator before it too
+        self._rng_to_reapply = path if self.resume_skip or saved.global_step % self.method.steps_per_batch else None
         log.info("resumed from %s at step %d (epoch %d, %d batch(es) in)", path, saved.global_step, saved.epoch,
                  self.resume_skip)
 
@@ -240,7 +244,11 @@ class Recipe:
             while state.global_step < self.total_steps and state.epoch < epochs and not stop_early:
                 batches = self._epoch_batches(state.epoch)
                 batches_per_epoch = len(self.loader)
-                for group in micro_batch_groups(batches, config.gradient_accumulation_steps):
+                repeats = self.method.steps_per_batch
+                for group in repeated_groups(micro_batch_groups(batches, config.gradient_accumulation_steps), repeats,
+                                             state.global_step % repeats):
+                    group = self.method.rollout(accelerator, self.model, group, state.global_step, self.total_steps,
+                                                state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1))
                     step = optimizer_step(accelerator, self.model, self.optimizer, self.scheduler, self.method, group,
                                           config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop_requested,
                                           self.sp)
@@ -248,8 +256,9 @@ class Recipe:
                     if step is None:  # SIGTERM between micro-batches: the step was abandoned, save where the last ended
                         self._preempted()
                     state.global_step += 1
-                    state.batches_in_epoch += len(group)
-                    consumed = sum(self.method.examples_in(b) for b in group) * world
+                    whole = state.global_step % repeats == 0  # the group's last step: it is consumed
+                    state.batches_in_epoch += len(group) if whole else 0
+                    consumed = sum(self.method.examples_in(b) for b in group) * world if whole else 0
                     state.samples_in_epoch += consumed
                     state.samples_seen += consumed
                     window.add(step)
@@ -315,6 +324,7 @@ class Recipe:
 
     def evaluate(self) -> tuple[float, dict[str, float]]:
         batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
+        batch_size = max(1, self.method.loader_batch_size(batch_size))
         result = evaluate(self.accelerator, self.model, self.method, self.eval_data, self.collate, batch_size, self.sp)
         reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
         return result
@@ -338,7 +348,8 @@ class Recipe:
         started = time.perf_counter()
         try:
             path = ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.tokenizer, self.scheduler,
-                                        self.output_dir, self.state, config.uses_lora)
+                                        self.output_dir, self.state, config.uses_lora,
+                                        lambda tmp: self.method.save_state(tmp, self.accelerator, self.state.global_step))
         except Exception as exc:
             if not is_disk_full(exc):
                 raise

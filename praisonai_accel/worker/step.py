@@ -25,6 +25,14 @@ def micro_batch_groups(batches: Iterator, size: int) -> Iterator[list]:
         yield group
 
 
+def repeated_groups(groups: Iterator[list], repeats: int, done: int = 0) -> Iterator[list]:
+    """Each group `repeats` times in a row; `done`: the times the first was already trained on (a resume mid-way)."""
+    for group in groups:
+        for _ in range(repeats - done):
+            yield group
+        done = 0
+
+
 def rng_snapshot() -> dict:
     """The generators dropout draws from, cheap to take at every step (host-side states, no device sync)."""
     import torch

@@ -1,0 +1,133 @@
+"""GRPO's data half: a `prompt` column (text, or conversational: a list of messages) plus any columns the reward
+functions read; rows checked, prompts encoded and cut from the left, and prompt batches collated.
+
+The preprocessing cache holds ragged int columns, so an example keeps
+- `prompt_input_ids`: the prompt's tokens (a conversation rendered by the chat template with the generation prompt;
+  plain text tokenized without special tokens, as TRL's GRPOTrainer does), cut from the left to max_prompt_length;
+- `row`: the JSON of the whole dataset row (the prompt as written and every other column) as UTF-8 bytes, so the
+  reward functions get TRL's keyword arguments without the worker reading (or importing `datasets` for) the source
+  again;
+- `row_number`: [dataset index, 1 for a line of a file / 0 for a row index, the number]; the preprocessing driver
+  fills it (data/preprocess.py), so an exception inside a reward function names the row the way a bad row is named.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .method_keys import prompt_limit
+
+COLUMNS = ("prompt_input_ids", "row", "row_number")
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def check_prompt(row: dict) -> str | None:
+    """Why this row's prompt cannot be used, in words, or None."""
+    value = row.get("prompt")
+    if value is None:
+        return "'prompt' is missing or null"
+    if isinstance(value, str):
+        return None if value.strip() else "'prompt' is empty"
+    if _is_messages(value):
+        if any(not isinstance(m.get("content"), (str, list)) for m in value):
+            return "a message of 'prompt' has no text content"
+        return None
+    return f"'prompt' is a {type(value).__name__}, not text or a list of messages with roles"
+
+
+def prompt_messages(value, system_prompt: str | None) -> list[dict]:
+    from ..data import ROLE_NAMES
+
+    messages = []
+    for m in value:
+        message = {k: v for k, v in m.items() if v is not None}
+        message["role"] = ROLE_NAMES.get(str(message["role"]).lower(), str(message["role"]))
+        messages.append(message)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def encode_prompt(row: dict, tokenizer, max_prompt_length: int, system_prompt: str | None = None
+                  ) -> tuple[list[int], bool]:
+    """(prompt token ids, whether they were cut from the left to max_prompt_length)."""
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    else:
+        text = tokenizer.apply_chat_template(prompt_messages(prompt, system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cut = len(ids) > max_prompt_length
+    return (ids[-max_prompt_length:] if cut else ids), cut
+
+
+def row_bytes(row: dict) -> list[int]:
+    return list(json.dumps(row, default=str, ensure_ascii=False).encode("utf-8"))
+
+
+def row_of(example: dict) -> dict:
+    return json.loads(bytes(int(b) for b in example["row"]).decode("utf-8"))
+
+
+class GRPOData:
+    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is data/sft_rows.SFTData)."""
+
+    name = "grpo"
+    columns = COLUMNS
+    row_number_column = "row_number"  # the driver fills it with the row's number (see the module docstring)
+
+    def __init__(self, tokenizer, config):
+        self.tokenizer, self.config = tokenizer, config
+
+    def detect_format(self, columns, spec) -> str:
+        from ..data import DataError
+
+        if "prompt" not in set(columns):
+            raise DataError(f"dataset {getattr(spec, 'name', 'dataset')}: columns {sorted(columns)} have no 'prompt'; "
+                            "method grpo needs a prompt column (text or a list of messages) and any columns your "
+                            "reward functions read")
+        return "prompt"
+
+    def check_row(self, row: dict, fmt: str, spec):
+        from ..data import RowProblem
+
+        why = check_prompt(row)
+        return RowProblem("invalid prompt", why) if why else None
+
+    def encode(self, row: dict, fmt: str, tokenizer, config, spec):
+        from ..data import RowProblem
+
+        try:
+            ids, cut = encode_prompt(row, tokenizer, prompt_limit(config), getattr(spec, "system_prompt", None))
+        except Exception as exc:  # a chat template that cannot render this conversation
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            return RowProblem("chat template cannot render it",
+                              f"the chat template cannot render it: {type(exc).__name__}: {text}")
+        if not ids:
+            return RowProblem("invalid prompt", "'prompt' has no token once encoded")
+        return {"prompt_input_ids": ids, "row": row_bytes(row), "row_number": [0, 0, 0], "truncated": cut,
+                "response_cut": False}
+
+    def length(self, example: dict) -> int:
+        return len(example["prompt_input_ids"])
+
+
+def collate_prompts(examples: list[dict], pad_token_id: int) -> dict:
+    """Prompts left-padded (every row's next token in the last column), the rows for the reward functions, and an
+    all -100 `labels` (nothing is trained before the rollout, which replaces this batch)."""
+    import torch
+
+    rows = [list(e["prompt_input_ids"]) for e in examples]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.full_like(ids, -100),
+            "rows": [row_of(e) for e in examples],
+            "row_numbers": torch.as_tensor([list(e["row_number"]) for e in examples], dtype=torch.long)}

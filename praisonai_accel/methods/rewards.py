@@ -1,0 +1,289 @@
+"""GRPO's reward functions: the user's code that reward_funcs names (or a built-in), loaded and checked before
+launch and again in each worker, and called as TRL 1.16's GRPOTrainer._calculate_rewards calls it.
+
+A reward function is called with keywords only: `prompts`, `completions` (strings for text prompts; for
+conversational prompts, `[{"role": "assistant", "content": text}]` per completion), `completion_ids` (token id
+lists), `trainer_state` (when the caller has one) and every other column of the dataset, as lists aligned with the
+completions (a prompt's row repeated num_generations times). It returns one float, or None ("not applicable"), per
+completion. Differences from TRL, on purpose: a function without **kwargs gets only the keywords it names (TRL
+would pass it every column and fail); TRL's `log_extra`, `log_metric` and `environments` are not passed, so a
+function that requires them is refused at load. docs/reward_functions.md is the user's page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import ConfigError, first_line
+from .method_keys import BUILTIN_REWARDS, parse_reward_entry
+
+log = logging.getLogger("praisonai_accel")
+FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
+
+PASSED = ("prompts", "completions", "completion_ids", "trainer_state")  # what `score` passes beside the columns
+NOT_PASSED = ("log_extra", "log_metric", "environments")  # TRL passes these; praisonai-accel does not
+NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # dataset keys TRL leaves out of the keywords
+SIGNATURE = "def reward(prompts, completions, **kwargs) -> list[float | None]"
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What `score` passes as trainer_state: the attributes of TRL's TrainerState that rewards shaped by training
+    progress read."""
+
+    global_step: int
+    max_steps: int
+    epoch: float = 0.0
+
+
+class RewardError(Exception):
+    """A reward function failed while training: one line naming the function and the dataset row."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # as reward_funcs lists it
+    func: Callable
+    weight: float
+    takes_all: bool  # it has **kwargs: it gets every keyword, as TRL passes them
+    keywords: frozenset[str]  # the keywords it names: without **kwargs, all it gets
+    columns: tuple[str, ...]  # dataset columns it needs (parameters without a default that are not PASSED)
+
+    @property
+    def short_name(self) -> str:
+        """The function's name, as TRL names its metrics (rewards/<name>/mean)."""
+        return self.name.replace(":", ".").rsplit(".", 1)[-1]
+
+
+# ---------------------------------------------------------------- built-ins
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: itself, or the contents of its messages (conversational prompts)."""
+    if isinstance(completion, str):
+        return completion
+    parts = []
+    for message in completion or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}]
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        parts.append(content or "")
+    return "".join(parts)
+
+
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def exact_match(completions, answer, **kwargs) -> list[float | None]:
+    """1.0 where the completion (stripped; the content of its last <answer>...</answer> block when it has one)
+    equals the row's `answer` (stripped), else 0.0; None for a row whose answer is empty (null)."""
+    rewards: list[float | None] = []
+    for completion, expected in zip(completions, answer, strict=True):
+        if expected is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion).strip()
+        blocks = _ANSWER_BLOCK.findall(text)
+        if blocks:
+            text = blocks[-1].strip()
+        rewards.append(1.0 if text == str(expected).strip() else 0.0)
+    return rewards
+
+
+def format_reward(pattern: str) -> Callable:
+    """The built-in `format`: 1.0 where re.match(pattern, completion, re.DOTALL), else 0.0 (TRL's examples'
+    format reward; DOTALL so that .*? spans the lines of a reasoning block)."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format(completions, **kwargs) -> list[float]:  # noqa: A001  (its name is the config's)
+        return [1.0 if compiled.match(completion_text(c)) else 0.0 for c in completions]
+
+    return format
+
+
+# ---------------------------------------------------------------- loading
+
+def config_dir(config) -> Path | None:
+    """The directory of the config file the config was read from (None for a config built in code)."""
+    where = getattr(config, "_config_dir", None)
+    return Path(where) if where else None
+
+
+def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFunction]:
+    """The reward functions config.reward_funcs names, imported and their signatures checked; ConfigError (one line)
+    for an entry that cannot be one. Modules are looked for in base_dir first (default: the config file's
+    directory, where users keep rewards.py), then on sys.path."""
+    base_dir = config_dir(config) if base_dir is None else Path(base_dir)
+    weights = config.reward_weights or [1.0] * len(config.reward_funcs)
+    functions = []
+    for index, (entry, weight) in enumerate(zip(config.reward_funcs, weights, strict=True)):
+        try:
+            module, attribute = parse_reward_entry(entry, index)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if module is None:
+            func = exact_match if attribute == "exact_match" else format_reward(config.reward_format_pattern)
+        else:
+            func = _import(module, attribute, f"reward_funcs[{index}]", base_dir)
+        functions.append(_checked(entry.strip(), func, float(weight), f"reward_funcs[{index}]: {entry.strip()}"))
+    return functions
+
+
+def _import(module_name: str, attribute: str, where: str, base_dir: Path | None) -> Callable:
+    if base_dir is not None and str(base_dir) not in sys.path:
+        sys.path.insert(0, str(base_dir))
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            searched = f"{base_dir} (the config's directory) and sys.path" if base_dir is not None else "sys.path"
+            raise ConfigError(f"{where}: no module named '{exc.name}' (looked in {searched}); put "
+                              f"{exc.name.split('.')[0]}.py next to the config file or install it") from None
+        raise ConfigError(f"{where}: module '{module_name}' cannot be imported: {first_line(exc)}") from None
+    except Exception as exc:  # SyntaxError, an ImportError of its own, anything its top level raises
+        raise ConfigError(f"{where}: module '{module_name}' cannot be imported: {type(exc).__name__}: "
+                          f"{first_line(exc)}") from None
+    if not hasattr(module, attribute):
+        raise ConfigError(f"{where}: module '{module_name}' ({getattr(module, '__file__', None) or 'built in'}) has "
+                          f"no attribute '{attribute}'")
+    func = getattr(module, attribute)
+    if not callable(func):
+        raise ConfigError(f"{where}: '{module_name}:{attribute}' is a {type(func).__name__}, not a function")
+    return func
+
+
+def _checked(name: str, func: Callable, weight: float, where: str) -> RewardFunction:
+    """A RewardFunction for `func` if TRL's call can reach it: prompts= and completions= by keyword, every other
+    parameter without a default a keyword that is passed (a column, completion_ids, trainer_state)."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: its signature cannot be read; define it as {SIGNATURE}") from None
+    params = signature.parameters.values()
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for p in params:
+        if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+            raise ConfigError(f"{where}: parameter '{p.name}' is positional-only, but reward functions are called "
+                              f"with keywords; define it as {SIGNATURE}")
+    missing = [k for k in ("prompts", "completions") if k not in named and not takes_all]
+    if missing:
+        raise ConfigError(f"{where}: it does not take {' or '.join(f'{k}=' for k in missing)}; reward functions "
+                          f"are called as TRL calls them: {SIGNATURE}")
+    required = [n for n, p in named.items() if p.default is p.empty and n not in PASSED]
+    singular = [n for n in required if n in NOT_COLUMNS and n not in PASSED]
+    if singular:
+        raise ConfigError(f"{where}: it requires '{singular[0]}', which is never passed (the batch comes as "
+                          f"{singular[0]}s=); define it as {SIGNATURE}")
+    unsupported = [n for n in required if n in NOT_PASSED]
+    if unsupported:
+        raise ConfigError(f"{where}: it requires '{unsupported[0]}', which TRL passes but praisonai-accel does not; "
+                          f"give it a default (None)")
+    return RewardFunction(name, func, weight, takes_all, frozenset(named), tuple(required))
+
+
+def check_columns(functions: Sequence[RewardFunction], column_names, dataset: str = "dataset") -> None:
+    """DataError (one line) for a reward function that reads a column the dataset does not have (exact_match:
+    `answer`); callable before launch from the dataset's column names."""
+    from ..data import DataError
+
+    have = set(column_names)
+    for function in functions:
+        for column in function.columns:
+            if column not in have:
+                raise DataError(f"{dataset}: reward function {function.name} reads column '{column}', which the "
+                                f"dataset does not have (its columns: {', '.join(sorted(map(str, have)))}); add it "
+                                f"or give the parameter a default")
+
+
+# ---------------------------------------------------------------- calling
+
+def where(row) -> str:
+    """A completion's dataset row as the user finds it: `row 7` for an index, or the text given (`line 7`)."""
+    return f"row {row}" if isinstance(row, int) else str(row)
+
+
+def score(functions: Sequence[RewardFunction], prompts: list, completions: list, completion_ids: list,
+          columns: dict[str, list], rows: Sequence, trainer_state: TrainerState | None = None):
+    """[N, F] float32 rewards of N completions by F functions, NaN where a function returned None (TRL: not
+    applicable; the weighted total skips it, grpo_loss.weighted_rewards). `columns`: the dataset's other columns,
+    each a list aligned with the completions; `rows`: each completion's dataset row (an index, or a place such as
+    "line 7"), named by RewardError (raised when a function raises, returns the wrong number of rewards, or
+    something that is not a number). A completion no function scored is warned about, as TRL does."""
+    import torch
+
+    n = len(completions)
+    columns = {k: v for k, v in columns.items() if k not in NOT_COLUMNS}
+    keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    if trainer_state is not None:
+        keywords["trainer_state"] = trainer_state
+    rewards = torch.full((n, len(functions)), float("nan"), dtype=torch.float32)
+    for j, function in enumerate(functions):
+        given = keywords if function.takes_all else {k: v for k, v in keywords.items() if k in function.keywords}
+        rewards[:, j] = torch.tensor(_call(function, given, rows, n), dtype=torch.float32)
+    unscored = torch.isnan(rewards).all(dim=1)
+    if unscored.any():
+        first = int(unscored.nonzero()[0])
+        log.warning("every reward function returned None for %d completion(s) (the first of %s); they add nothing "
+                    "to the loss", int(unscored.sum()), where(rows[first]))
+    return rewards
+
+
+def _invoke(function: RewardFunction, keywords: dict):
+    result = function.func(**keywords)
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+def _call(function: RewardFunction, keywords: dict, rows: Sequence, n: int) -> list[float]:
+    try:
+        result = _invoke(function, keywords)
+    except Exception as exc:
+        FILE_ONLY.error("reward function %s raised:", function.name, exc_info=True)
+        raise RewardError(f"reward function {function.name} failed on {_failing_row(function, keywords, rows, n)}: "
+                          f"{type(exc).__name__}: {first_line(exc)}") from None
+    if result is None or isinstance(result, (str, bytes, dict)) or not hasattr(result, "__iter__"):
+        raise RewardError(f"reward function {function.name} returned {_shown(result)} for {where(rows[0])} and "
+                          f"the rest of its batch; return a list with one float (or None) per completion")
+    values = list(result)
+    if len(values) != n:
+        raise RewardError(f"reward function {function.name} returned {len(values)} reward(s) for {n} completions "
+                          f"({where(rows[0])} and the rest of its batch); return one per completion")
+    return [_number(function, value, rows[i]) for i, value in enumerate(values)]
+
+
+def _number(function: RewardFunction, value, row) -> float:
+    if value is None:
+        return math.nan
+    if not isinstance(value, (str, bytes)):
+        try:
+            return float(value)  # int, float, bool, numpy and one-element torch numbers
+        except (TypeError, ValueError):
+            pass
+    raise RewardError(f"reward function {function.name} returned {_shown(value)} for {where(row)}; return a float "
+                      "or None per completion")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({type(value).__name__})"
+
+
+def _failing_row(function: RewardFunction, keywords: dict, rows: Sequence, n: int) -> str:
+    """The first row whose completion alone makes the function raise (it is called again, one completion at a
+    time, only after it failed on the batch); the batch when none does alone."""
+    for i in range(n):
+        alone = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in keywords.items()}
+        try:
+            _invoke(function, alone)
+        except Exception:
+            return where(rows[i])
+    return f"the batch of {where(rows[0])} and {n - 1} other completion(s) (no completion alone fails)"
+

@@ -132,3 +132,8 @@ def _check_grpo(config) -> None:
         raise ValueError(f"per_device_train_batch_size: counts completions for method grpo, and "
                          f"{config.per_device_train_batch_size} does not hold whole groups of num_generations "
                          f"{config.num_generations}; use a multiple of {config.num_generations}")
+    eval_batch = getattr(config, "per_device_eval_batch_size", None)
+    if eval_batch is not None and eval_batch % config.num_generations:
+        raise ValueError(f"per_device_eval_batch_size: counts completions for method grpo, and {eval_batch} does not "
+                         f"hold whole groups of num_generations {config.num_generations}; use a multiple of "
+                         f"{config.num_generations}")

@@ -359,4 +359,4 @@ def test_a_missing_reward_column_is_one_line_from_preprocessing_before_training(
 def test_an_eval_batch_of_partial_groups_is_refused():
     with pytest.raises(ConfigError, match="per_device_eval_batch_size: counts completions for method grpo, and 6 "
                                           "does not hold whole groups of num_generations 4"):
-        _grpo(num_generations=4, per_device_train_batch_size=4, per_device_eval_batch_size=6)
+        _grpo(reward_funcs=["format"], num_generations=4, per_device_train_batch_size=4, per_device_eval_batch_size=6)

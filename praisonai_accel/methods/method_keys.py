@@ -6,8 +6,7 @@ import re
 
 GRPO_KEYS = {"reward_funcs", "reward_weights", "reward_format_pattern", "num_generations", "max_completion_length",
              "temperature", "top_p", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
-             "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm",
-             "vllm_gpu_memory_utilization"}
+             "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm"}
 METHOD_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs",
                "desirable_weight", "undesirable_weight", *sorted(GRPO_KEYS))
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "hinge", "robust", "simpo"), "grpo": ("grpo", "dapo", "dr_grpo", "bnpo")}

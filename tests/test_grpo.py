@@ -211,12 +211,18 @@ def test_a_rollout_is_deterministic_given_seed_and_step_and_kl_is_0_at_step_0(tm
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
 def test_one_micro_batch_of_2B_prompts_gives_the_loss_and_gradients_of_two_of_B(tmp_path, tiny_model, tiny, loss_type):
     _, tokenizer = tiny
+    # a reward that varies within groups on the random model's text (exact_match would score 0 everywhere: every
+    # advantage, loss and gradient 0, and nothing compared)
     method, module, accelerator, collate, examples = _setup(tmp_path, tiny_model, tokenizer, loss_type=loss_type,
-                                                            beta=0.05)
+                                                            beta=0.05, reward_funcs=["format"],
+                                                            reward_format_pattern=r"^\s*[a-m]")
     whole = method.rollout(accelerator, module, [collate(examples)], 0)
     halves = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
     # the same completions: a group's draws do not depend on the rest of its batch
+    assert [r["completion"] for h in halves for r in h["log_records"]] == \
+        [r["completion"] for r in whole[0]["log_records"]]
     assert torch.equal(torch.cat([h["total_rewards"] for h in halves]), whole[0]["total_rewards"])
+    assert whole[0]["advantages"].abs().max() > 0
 
     def gradients(group):
         module.zero_grad(set_to_none=True)
@@ -231,6 +237,7 @@ def test_one_micro_batch_of_2B_prompts_gives_the_loss_and_gradients_of_two_of_B(
     loss_whole, grads_whole = gradients(whole)
     loss_halves, grads_halves = gradients(halves)
     assert abs(loss_whole - loss_halves) <= 1e-6
+    assert max(g.abs().max().item() for g in grads_whole.values()) > 0
     assert grads_whole and max((grads_whole[n] - grads_halves[n]).abs().max().item() for n in grads_whole) <= 1e-6
 
 

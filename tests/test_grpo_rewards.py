@@ -17,6 +17,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from conftest import cli
 from praisonai_accel.cli import app
 from praisonai_accel.config import ConfigError, load_config, parse_config
 from praisonai_accel.data import DataError
@@ -127,7 +128,9 @@ def test_the_worker_finds_the_module_next_to_the_config(tmp_path, monkeypatch):
     """load_config records the config's directory; load_reward_functions looks there first, whatever the cwd."""
     config, module = _write(tmp_path, GOOD, reward_funcs=["{module}:reward", "format"], reward_weights=[0.5, 2.0])
     monkeypatch.chdir("/")
+    path_before = list(sys.path)
     functions = rw.load_reward_functions(load_config(config))
+    assert sys.path == path_before  # the config's directory is searched for the reward module only
     assert [f.name for f in functions] == [f"{module}:reward", "format"]
     assert [f.weight for f in functions] == [0.5, 2.0]
     assert functions[0].func(prompts=["p"], completions=["abc"]) == [3.0]
@@ -242,6 +245,8 @@ def test_a_failure_no_row_causes_alone_names_the_batch():
     ([1.0, [2.0]], "returned [2.0] (list) for row 5; return a float or None per completion"),
     (0.5, "returned 0.5 (float) for row 4 and the rest of its batch; return a list with one float (or None) per "
           "completion"),
+    ([1.0, float("inf")], "returned inf for row 5; return a finite float, or None where the function does not apply"),
+    ([float("nan"), 1.0], "returned nan for row 4; return a finite float, or None where the function does not apply"),
 ])
 def test_a_wrong_return_is_one_line(returned, message):
     def bad(prompts, completions, **kwargs):
@@ -327,3 +332,31 @@ def test_a_column_a_reward_reads_must_be_in_the_dataset():
     assert str(error.value) == ("dataset math.jsonl: reward function exact_match reads column 'answer', which the "
                                 "dataset does not have (its columns: prompt, solution); add it or give the parameter "
                                 "a default")
+
+
+def test_a_missing_reward_column_is_one_line_from_preprocessing_before_training(tmp_path):
+    """The dataset's columns are checked against what the reward functions read when the launcher preprocesses,
+    before any model loads: not blamed on the first row's rollout."""
+    from praisonai_accel.demo import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"say {w}", "solution": w}) for w in ("ada", "bob")) + "\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name": str(model), "dataset": [{"name": str(data)}], "output_dir": str(tmp_path / "out"),
+        "method": "grpo", "reward_funcs": ["exact_match"], "num_generations": 2, "per_device_train_batch_size": 2,
+        "max_completion_length": 8, "max_seq_length": 64, "max_prompt_length": 32, "max_steps": 1}))
+    result = cli("train", str(config), "--cpu", "--num-processes", "1")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: dataset {data}: reward function exact_match reads column 'answer', which the dataset "
+                     "does not have (its columns: prompt, solution); add it or give the parameter a default"], \
+        result.stderr
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_an_eval_batch_of_partial_groups_is_refused():
+    with pytest.raises(ConfigError, match="per_device_eval_batch_size: counts completions for method grpo, and 6 "
+                                          "does not hold whole groups of num_generations 4"):
+        _grpo(reward_funcs=["format"], num_generations=4, per_device_train_batch_size=4, per_device_eval_batch_size=6)

@@ -169,7 +169,7 @@ class GRPO(TrainingMethod):
         logs = global_step is not None and (global_step + self.steps_per_batch) // config.logging_steps > \
             global_step // config.logging_steps
         if logs and accelerator.is_main_process and config.log_completions:
-            self._log_completions(global_step + 1, scored[0])
+            self._log_completions(global_step + 1, scored[0], accelerator)
         if global_step is not None and self.steps_per_batch > 1:
             self._buffer, self._buffer_step = scored, global_step
         return scored
@@ -206,9 +206,10 @@ class GRPO(TrainingMethod):
                               f"step {global_step} does not train on with num_iterations: {self.steps_per_batch}; "
                               "resume with the num_iterations it was saved with")
 
-    def _log_completions(self, step: int, batch: dict) -> None:
+    def _log_completions(self, step: int, batch: dict, accelerator=None) -> None:
         """A few prompts with their completions and rewards in output_dir/logs/completions.jsonl (rank 0's first
-        micro-batch of the step); a resumed run first drops what an interrupted run wrote after its checkpoint."""
+        micro-batch of the step) and as a table in the trackers that show one; a resumed run first drops what an
+        interrupted run wrote after its checkpoint."""
         path = self.config.output_path() / "logs" / COMPLETIONS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         if not self._trimmed:
@@ -221,6 +222,23 @@ class GRPO(TrainingMethod):
         with open(path, "a") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
+        if accelerator is not None and records:
+            completions_to_trackers(accelerator, self.config.trackers, step, records)
+
+
+def completions_to_trackers(accelerator, trackers: list[str], step: int, records: list[dict]) -> None:
+    """TensorBoard gets a markdown table as text, wandb a Table; mlflow and trackio log numbers only."""
+    if "tensorboard" in trackers:
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines = ["| prompt | completion | reward |", "|---|---|---|"]
+        lines += [f"| {cell(r['prompt'])} | {cell(r['completion'])} | {r['reward']} |" for r in records]
+        accelerator.get_tracker("tensorboard", unwrap=True).add_text("completions", "\n".join(lines), global_step=step)
+    if "wandb" in trackers:
+        import wandb
+
+        table = wandb.Table(columns=["step", "prompt", "completion", "reward"],
+                            data=[[step, str(r["prompt"]), r["completion"], r["reward"]] for r in records])
+        accelerator.get_tracker("wandb", unwrap=True).log({"completions": table}, step=step)
 
 
 def _step_of(line: str) -> int | None:

@@ -90,6 +90,9 @@ class GRPOData:
             raise DataError(f"dataset {getattr(spec, 'name', 'dataset')}: columns {sorted(columns)} have no 'prompt'; "
                             "method grpo needs a prompt column (text or a list of messages) and any columns your "
                             "reward functions read")
+        from .rewards import check_columns, load_reward_functions
+
+        check_columns(load_reward_functions(self.config), columns, f"dataset {getattr(spec, 'name', 'dataset')}")
         return "prompt"
 
     def check_row(self, row: dict, fmt: str, spec):

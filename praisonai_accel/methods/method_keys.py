@@ -6,8 +6,7 @@ import re
 
 GRPO_KEYS = {"reward_funcs", "reward_weights", "reward_format_pattern", "num_generations", "max_completion_length",
              "temperature", "top_p", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
-             "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm",
-             "vllm_gpu_memory_utilization"}
+             "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm"}
 METHOD_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs",
                "desirable_weight", "undesirable_weight", *sorted(GRPO_KEYS))
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "hinge", "robust", "simpo"), "grpo": ("grpo", "dapo", "dr_grpo", "bnpo")}
@@ -132,3 +131,8 @@ def _check_grpo(config) -> None:
         raise ValueError(f"per_device_train_batch_size: counts completions for method grpo, and "
                          f"{config.per_device_train_batch_size} does not hold whole groups of num_generations "
                          f"{config.num_generations}; use a multiple of {config.num_generations}")
+    eval_batch = getattr(config, "per_device_eval_batch_size", None)
+    if eval_batch is not None and eval_batch % config.num_generations:
+        raise ValueError(f"per_device_eval_batch_size: counts completions for method grpo, and {eval_batch} does not "
+                         f"hold whole groups of num_generations {config.num_generations}; use a multiple of "
+                         f"{config.num_generations}")

@@ -138,7 +138,10 @@ def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFu
 
 
 def _import(module_name: str, attribute: str, where: str, base_dir: Path | None) -> Callable:
-    if base_dir is not None and str(base_dir) not in sys.path:
+    # The config's directory is on sys.path only while the reward module imports: left there, a later import of
+    # any name that matches a file beside the config (wandb.py, ray.py) would run code the config never named.
+    added = base_dir is not None and str(base_dir) not in sys.path
+    if added:
         sys.path.insert(0, str(base_dir))
     try:
         module = importlib.import_module(module_name)
@@ -151,6 +154,9 @@ def _import(module_name: str, attribute: str, where: str, base_dir: Path | None)
     except Exception as exc:  # SyntaxError, an ImportError of its own, anything its top level raises
         raise ConfigError(f"{where}: module '{module_name}' cannot be imported: {type(exc).__name__}: "
                           f"{first_line(exc)}") from None
+    finally:
+        if added:
+            sys.path.remove(str(base_dir))
     if not hasattr(module, attribute):
         raise ConfigError(f"{where}: module '{module_name}' ({getattr(module, '__file__', None) or 'built in'}) has "
                           f"no attribute '{attribute}'")
@@ -264,9 +270,15 @@ def _number(function: RewardFunction, value, row) -> float:
         return math.nan
     if not isinstance(value, (str, bytes)):
         try:
-            return float(value)  # int, float, bool, numpy and one-element torch numbers
+            number = float(value)  # int, float, bool, numpy and one-element torch numbers
         except (TypeError, ValueError):
             pass
+        else:
+            if math.isfinite(number):
+                return number
+            # inf would make its group's mean inf and every advantage NaN; NaN would read as "not applicable"
+            raise RewardError(f"reward function {function.name} returned {number} for {where(row)}; return a finite "
+                              "float, or None where the function does not apply")
     raise RewardError(f"reward function {function.name} returned {_shown(value)} for {where(row)}; return a float "
                       "or None per completion")
 
@@ -276,14 +288,19 @@ def _shown(value) -> str:
     return f"{text if len(text) <= 40 else text[:37] + '...'} ({type(value).__name__})"
 
 
+FAILING_ROW_TRIES = 16
+
+
 def _failing_row(function: RewardFunction, keywords: dict, rows: Sequence, n: int) -> str:
     """The first row whose completion alone makes the function raise (it is called again, one completion at a
-    time, only after it failed on the batch); the batch when none does alone."""
-    for i in range(n):
+    time, only after it failed on the batch, and for at most FAILING_ROW_TRIES of them: a reward that calls a judge
+    model is not run once more per completion); the batch when none does alone."""
+    for i in range(min(n, FAILING_ROW_TRIES)):
         alone = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in keywords.items()}
         try:
             _invoke(function, alone)
         except Exception:
             return where(rows[i])
-    return f"the batch of {where(rows[0])} and {n - 1} other completion(s) (no completion alone fails)"
+    tried = "no completion alone fails" if n <= FAILING_ROW_TRIES else f"none of its first {FAILING_ROW_TRIES} alone fails"
+    return f"the batch of {where(rows[0])} and {n - 1} other completion(s) ({tried})"
 

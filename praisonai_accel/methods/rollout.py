@@ -33,9 +33,10 @@ def _generation_forward(accelerator, module):
     return accelerator.unwrap_model(module).decode, None
 
 
-def _where(config, numbers) -> str:
+def _where(config, numbers, evaluation: bool) -> str:
     source, is_line, number = (int(x) for x in numbers)
-    name = config.dataset[source].name if source < len(config.dataset) else "dataset"
+    specs = (config.eval_dataset or config.dataset) if evaluation else config.dataset  # val_split_ratio: the train's
+    name = specs[source].name if source < len(specs) else "dataset"
     return f"dataset {name} {'line' if is_line else 'row index'} {number}"
 
 
@@ -73,7 +74,8 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple, tra
     completion_values = [[{"role": "assistant", "content": t}] if conv else t for t, conv in zip(texts, conversational)]
     column_names = sorted({k for row in rows for k in row if k != "prompt"})
     columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in column_names}
-    where = [_where(config, n) for n in batch["row_numbers"].tolist() for _ in range(g)]
+    evaluation = len(key) > 1 and key[1] == "eval"
+    where = [_where(config, n, evaluation) for n in batch["row_numbers"].tolist() for _ in range(g)]
     ids = [c[k].tolist() for c, k in zip(completions, keep)]
     rewards = torch.as_tensor(score(method.reward_functions, prompts, completion_values, ids, columns, where,
                                     trainer_state), dtype=torch.float32, device=device).reshape(len(texts), -1)

@@ -13,6 +13,7 @@ rank has finished, so a rank whose rows ended keeps running forwards until all h
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -88,31 +89,16 @@ def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask:
     return completions.masked_fill(~keep, pad_id), keep, ended
 
 
-def model_forward(model) -> Callable:
-    """`forward` for sample_completions over a transformers causal LM (a PeftModel too): the KV cache, and only
-    the last position's logits."""
-    import inspect
-
+def cache_argument(model) -> str:
+    """The keyword a transformers causal LM (a PeftModel too) takes its KV cache under: transformers 5 renames
+    past_key_values to cache, model by model."""
     from .lm_loss import transformers_model
 
-    # transformers 5 renames past_key_values to cache, model by model
-    name = "cache" if "cache" in inspect.signature(transformers_model(model).forward).parameters else "past_key_values"
-
-    def forward(input_ids, attention_mask, position_ids, past):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1, **{name: past})
-        return out.logits[:, -1], getattr(out, name)
-
-    return forward
+    return "cache" if "cache" in inspect.signature(transformers_model(model).forward).parameters else "past_key_values"
 
 
-def naive_sample(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, stop_ids, pad_id, generators):
-    """The reference for tests: the same draws without a cache, the whole sequence through the model each token."""
-    def forward(input_ids, attention_mask, position_ids, past):
-        ids = input_ids if past is None else torch.cat([past, input_ids], dim=1)
-        positions = positions_of(attention_mask)
-        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
-        return logits[:, -1], ids
-
-    return sample_completions(forward, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, generators=generators)
+def decode_step(model, cache_name: str, input_ids, attention_mask, position_ids, past):
+    """One forward with the KV cache and only the last position's logits: (those logits [N, V], the cache)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1, **{cache_name: past})
+    return out.logits[:, -1], getattr(out, cache_name)

@@ -23,17 +23,12 @@ from pathlib import Path
 
 from . import grpo_data, grpo_loss
 from .base import TrainingMethod
-from .rollout import LENGTH
+from .rewards import reward_name
+from .rollout import FILLER, LENGTH
 
-FILLER = "filler"
 ROLLED = "completion_mask"  # a batch that has been through the rollout holds it
 COMPLETIONS_FILE = "completions.jsonl"
 BUFFER_FILE = "rollout_{rank}.safetensors"  # in a checkpoint taken mid-way through a batch's num_iterations steps
-
-
-def reward_names(config) -> list[str]:
-    """The name each reward function is logged under (rewards/<name>/mean): the function's own name, as TRL."""
-    return [spec.strip().replace(":", ".").rsplit(".", 1)[-1] for spec in config.reward_funcs or []]
 
 
 def rollout_metric_names(names) -> tuple[str, ...]:
@@ -51,7 +46,7 @@ class GRPO(TrainingMethod):
         super().__init__(config)
         self.unit = {"grpo": "completions", "dr_grpo": "completions x max_completion_length"}.get(
             config.loss_type, "completion tokens")
-        self.names = reward_names(config)
+        self.names = [reward_name(entry) for entry in config.reward_funcs or []]
         self.steps_per_batch = config.num_iterations  # the recipe hands rollout each step's prompts that many times
         self._buffer: list[dict] | None = None  # the generated batch being trained on (num_iterations > 1)
         self._buffer_step = -1  # the step that generated it

@@ -16,36 +16,23 @@ from __future__ import annotations
 import json
 
 from .method_keys import prompt_limit
+from .preference_data import clean_messages, text_or_messages
 
 COLUMNS = ("prompt_input_ids", "row", "row_number")
-
-
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def check_prompt(row: dict) -> str | None:
     """Why this row's prompt cannot be used, in words, or None."""
     value = row.get("prompt")
-    if value is None:
-        return "'prompt' is missing or null"
-    if isinstance(value, str):
-        return None if value.strip() else "'prompt' is empty"
-    if _is_messages(value):
-        if any(not isinstance(m.get("content"), (str, list)) for m in value):
-            return "a message of 'prompt' has no text content"
-        return None
-    return f"'prompt' is a {type(value).__name__}, not text or a list of messages with roles"
+    why = text_or_messages(value, "prompt")
+    if why is None and not isinstance(value, str) and any(not isinstance(m.get("content"), (str, list))
+                                                           for m in value):
+        return "a message of 'prompt' has no text content"
+    return why
 
 
 def prompt_messages(value, system_prompt: str | None) -> list[dict]:
-    from ..data import ROLE_NAMES
-
-    messages = []
-    for m in value:
-        message = {k: v for k, v in m.items() if v is not None}
-        message["role"] = ROLE_NAMES.get(str(message["role"]).lower(), str(message["role"]))
-        messages.append(message)
+    messages = clean_messages(value)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     return messages

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+from . import method_keys
+
+LOSS_TYPES = method_keys.LOSS_TYPES["grpo"]  # one list: config checks it without torch
 # Metric sums policy_loss returns that are means over completion tokens (divide by TOKENS), as TRL logs them:
 # kl (only when beta > 0 in TRL; 0 here without a reference), clip_ratio (TRL's clip_ratio/region_mean).
 TOKEN_MEANS = ("kl", "clip_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean")

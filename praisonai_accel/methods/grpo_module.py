@@ -13,22 +13,19 @@ Log-probs are of logits divided by the sampling temperature, as TRL computes the
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 import torch.nn.functional as F
 
 from ..data.chat_masking import IGNORE_INDEX
 from . import grpo_loss
+from .generation import cache_argument, decode_step
 from .lm_loss import CausalLMLoss, transformers_model
 from .preference_logps import row_logps
+from .reference_model import ReferenceModel
 
 
-def _is_peft(model) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
-class GRPOLoss(CausalLMLoss):
+class GRPOLoss(ReferenceModel, CausalLMLoss):
     def __init__(self, causal_lm, config, chunked: bool = True):
         super().__init__(causal_lm, chunked=chunked)
         self.temperature = config.temperature
@@ -37,28 +34,8 @@ class GRPOLoss(CausalLMLoss):
                               "max_completion_length": config.max_completion_length}
         if self.softcap is not None and self.temperature != 1.0:
             self.chunked = False  # the chunked head applies scale before softcapping; temperature comes after it
-        self.reference = None
-        if config.beta > 0 and not _is_peft(causal_lm):
-            # Full fine-tuning: the reference is the model as it starts, frozen; a submodule, so FSDP2 shards it too.
-            self.reference = copy.deepcopy(causal_lm).requires_grad_(False).eval()
-        import inspect
-
-        forward = transformers_model(causal_lm).forward
-        self._cache_name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()
-        return self
-
-    @contextlib.contextmanager
-    def _reference_model(self):
-        if self.reference is not None:
-            yield self.reference
-            return
-        with self.causal_lm.disable_adapter():
-            yield self.causal_lm
+        self.init_reference(causal_lm, config.beta > 0)
+        self._cache_name = cache_argument(causal_lm)
 
     def forward(self, input_ids, attention_mask, position_ids=None, labels=None, completion_mask=None,
                 advantages=None, old_logps=None, ref_logps=None, mode: str = "train", reference: bool = False,
@@ -66,6 +43,7 @@ class GRPOLoss(CausalLMLoss):
         if mode == "decode":
             return self.decode(input_ids, attention_mask, position_ids, past)
         if mode == "logps":
+            # the reference in eval mode; the rollout runs the policy in eval mode too (grpo.GRPO.rollout)
             which = self._reference_model() if reference else contextlib.nullcontext(self.causal_lm)
             with torch.no_grad(), which as model:
                 return self.token_logps(model, input_ids, attention_mask, position_ids, labels, completion_mask)
@@ -75,9 +53,7 @@ class GRPOLoss(CausalLMLoss):
         return loss_sum, metrics
 
     def decode(self, input_ids, attention_mask, position_ids, past):
-        out = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True, logits_to_keep=1, **{self._cache_name: past})
-        return out.logits[:, -1], getattr(out, self._cache_name)
+        return decode_step(self.causal_lm, self._cache_name, input_ids, attention_mask, position_ids, past)
 
     def token_logps(self, model, input_ids, attention_mask, position_ids, labels, completion_mask) -> torch.Tensor:
         """[N, C] log-probs of the completion tokens (C: completion_mask's width, the last C columns of the rows),

@@ -14,8 +14,6 @@ so DDP and FSDP2 see exactly one forward per backward:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
 
 import torch
@@ -25,6 +23,7 @@ from . import preference_data as pdata
 from . import preference_loss as plosses
 from .method_keys import prompt_limit
 from .preference_logps import sequence_logps
+from .reference_model import ReferenceModel
 from .base import TrainingMethod
 
 FILLER = "filler"
@@ -34,11 +33,7 @@ def needs_reference(config) -> bool:
     return config.method == "kto" or (config.method == "dpo" and config.loss_type not in plosses.REFERENCE_FREE)
 
 
-def _is_peft(model) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
-class PreferenceLoss(CausalLMLoss):
+class PreferenceLoss(ReferenceModel, CausalLMLoss):
     """Reference pass + policy pass + preference loss, in one forward. Returns (loss summed over units, metric sums)."""
 
     def __init__(self, causal_lm, config, chunked: bool = True):
@@ -48,33 +43,7 @@ class PreferenceLoss(CausalLMLoss):
         self.beta, self.label_smoothing, self.simpo_gamma = config.beta, config.label_smoothing, config.simpo_gamma
         self.desirable_weight, self.undesirable_weight = config.desirable_weight, config.undesirable_weight
         self.uses_reference = needs_reference(config)
-        if self.uses_reference and not _is_peft(causal_lm):
-            # Full fine-tuning: the reference is the model as it starts, frozen; a submodule, so that FSDP2 wraps and
-            # shards its decoder layers exactly like the policy's.
-            self.reference = copy.deepcopy(causal_lm).requires_grad_(False).eval()
-        else:
-            self.reference = None
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()  # never dropout in the reference
-        return self
-
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """The reference causal LM, in eval mode, without gradients."""
-        if self.reference is not None:
-            with torch.no_grad():
-                yield self.reference
-            return
-        was_training = self.causal_lm.training
-        self.causal_lm.eval()
-        try:
-            with torch.no_grad(), self.causal_lm.disable_adapter():
-                yield self.causal_lm
-        finally:
-            self.causal_lm.train(was_training)
+        self.init_reference(causal_lm, self.uses_reference)
 
     def reference_logps(self, input_ids, labels, attention_mask) -> torch.Tensor:
         with self._reference_model() as model:

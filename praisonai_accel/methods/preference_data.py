@@ -49,11 +49,12 @@ def detect_format(columns, spec, paired: bool) -> str:
     raise DataError(f"dataset {name}: columns {sorted(cols)} are not preference data; this method needs {needs}")
 
 
-def _is_messages(value) -> bool:
+def is_messages(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
-def _messages(value) -> list[dict]:
+def clean_messages(value) -> list[dict]:
+    """Messages without null keys, their roles in the names the chat templates use (ROLE_NAMES)."""
     out = []
     for m in value:
         message = {k: v for k, v in m.items() if v is not None}
@@ -68,12 +69,13 @@ def _turns(value) -> list[dict]:
     return [_sharegpt_turn(t) for t in turns]
 
 
-def _text_or_messages(value, what: str) -> str | None:
+def text_or_messages(value, what: str) -> str | None:
+    """Why `value` (the column `what`) is neither text nor a list of messages with roles, in words, or None."""
     if value is None:
         return f"'{what}' is missing or null"
     if isinstance(value, str):
         return None if value.strip() else f"'{what}' is empty"
-    if _is_messages(value):
+    if is_messages(value):
         return None
     return f"'{what}' is a {type(value).__name__}, not text or a list of messages with roles"
 
@@ -82,7 +84,7 @@ def check_row(row: dict, fmt: str) -> str | None:
     """Why this row cannot be used, in words, or None."""
     if fmt in ("paired", "implicit"):
         for key in (("prompt", "chosen", "rejected") if fmt == "paired" else ("chosen", "rejected")):
-            if (why := _text_or_messages(row.get(key), key)) is not None:
+            if (why := text_or_messages(row.get(key), key)) is not None:
                 return why
         keys = ("prompt", "chosen", "rejected") if fmt == "paired" else ("chosen", "rejected")
         if len({isinstance(row[key], str) for key in keys}) > 1:
@@ -109,7 +111,7 @@ def check_row(row: dict, fmt: str) -> str | None:
         return f"'label' is {label!r}; it must be true or false"
     if fmt == "unpaired":
         for key in ("prompt", "completion"):
-            if (why := _text_or_messages(row.get(key), key)) is not None:
+            if (why := text_or_messages(row.get(key), key)) is not None:
                 return why
         return None
     key = "messages" if fmt == "messages_label" else "conversations"
@@ -142,12 +144,12 @@ def prompt_and_completions(row: dict, fmt: str, system_prompt: str | None = None
     elif fmt == "unpaired":
         prompt, completions = row["prompt"], [row["completion"]]
     else:
-        turns = _messages(row["messages"]) if fmt == "messages_label" else _turns(row["conversations"])
+        turns = clean_messages(row["messages"]) if fmt == "messages_label" else _turns(row["conversations"])
         prompt, completions = turns[:-1], [turns[-1:]]
     conversational = not isinstance(completions[0], str)
     if conversational:
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt)
-        completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) else _messages(c) for c in completions]
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else clean_messages(prompt)
+        completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) else clean_messages(c) for c in completions]
         if system_prompt and (not prompt or prompt[0]["role"] != "system"):
             prompt = [{"role": "system", "content": system_prompt}, *prompt]
     return prompt, completions, conversational

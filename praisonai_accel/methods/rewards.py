@@ -61,7 +61,12 @@ class RewardFunction:
     @property
     def short_name(self) -> str:
         """The function's name, as TRL names its metrics (rewards/<name>/mean)."""
-        return self.name.replace(":", ".").rsplit(".", 1)[-1]
+        return reward_name(self.name)
+
+
+def reward_name(entry: str) -> str:
+    """The name a reward_funcs entry is logged under (rewards/<name>/mean): the function's own name, as TRL."""
+    return entry.strip().replace(":", ".").rsplit(".", 1)[-1]
 
 
 # ---------------------------------------------------------------- built-ins

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import pytest
 
-from praisonai_accel.methods.generation import (
-    completion_mask, model_forward, naive_sample, sample_completions, sample_next,
-)
+from praisonai_accel.methods.generation import completion_mask, sample_completions, sample_next
+
+from grpo_reference import completions_of, model_forward, naive_sample
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +196,8 @@ def test_a_rollout_is_deterministic_given_seed_and_step_and_kl_is_0_at_step_0(tm
     first = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
     again = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 0)
     later = method.rollout(accelerator, module, [collate(examples[:2]), collate(examples[2:])], 1)
-    assert [b["completion_digest"] for b in first] == [b["completion_digest"] for b in again]
-    assert [b["completion_digest"] for b in first] != [b["completion_digest"] for b in later]
+    assert [completions_of(b) for b in first] == [completions_of(b) for b in again]
+    assert [completions_of(b) for b in first] != [completions_of(b) for b in later]
     batch = first[0]
     assert batch["completion_mask"].shape[1] <= 8 and batch["input_ids"].size(0) == 8
     loss, metrics = method.forward(module, batch)
@@ -304,7 +304,7 @@ def test_num_iterations_trains_on_one_rollout_with_the_generating_policys_log_pr
     old = [b["old_logps"].clone() for b in first]
     optimizer.step()
     second = method.rollout(accelerator, module, group, 1)
-    assert [b["completion_digest"] for b in second] == [b["completion_digest"] for b in first]
+    assert [completions_of(b) for b in second] == [completions_of(b) for b in first]
     assert all(torch.equal(b["old_logps"], o) for b, o in zip(second, old))
     assert sum(float(method.forward(module, b)[1]["clip_ratio"]) for b in second) > 0
 
@@ -317,7 +317,7 @@ def test_num_iterations_trains_on_one_rollout_with_the_generating_policys_log_pr
         assert {k for k in b if k != "rollout_sums"} <= set(a)
         assert all(torch.equal(a[k], b[k]) for k in b if isinstance(b[k], torch.Tensor))
         assert all(torch.equal(a["rollout_sums"][k], v) for k, v in b["rollout_sums"].items())
-        assert a["prompts"] == b["prompts"] and a["completion_digest"] == b["completion_digest"]
+        assert a["prompts"] == b["prompts"] and completions_of(a) == completions_of(b)
     from praisonai_accel.methods.rollout import load_buffer, save_buffer
 
     save_buffer(tmp_path / "rollout_0.safetensors", *load_buffer(tmp_path / "rollout_0.safetensors", "cpu")[:2], 2)

@@ -89,8 +89,7 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple, tra
                 "reward": _number(total[i])} for i in range(len(texts))]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": positions_of(attention_mask),
            "labels": labels, "completion_mask": loss_mask, "rewards": rewards, "total_rewards": total, "units": units,
-           "prompts": len(rows), "rollout_sums": sums, "log_records": records,
-           "completion_digest": _digest(completions, keep)}
+           "prompts": len(rows), "rollout_sums": sums, "log_records": records}
     if batch.get(FILLER):
         out[FILLER] = True
     return out
@@ -177,7 +176,3 @@ def load_buffer(path, device) -> tuple[list[dict], int, int]:
 def _number(value: torch.Tensor):
     value = float(value)
     return None if value != value else value
-
-
-def _digest(completions: torch.Tensor, keep: torch.Tensor) -> str:
-    return hashlib.sha256(completions.masked_fill(~keep, -1).cpu().numpy().tobytes()).hexdigest()[:16]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, generation_rule, resume_rule, sequence_parallel_rule, vision_rule
+from ..checks import final_model_dir_rule, generation_rule, sequence_parallel_rule, vision_rule
 from ..config import ConfigError, TrainConfig
 from ..data.vision_processor import declares_images
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
@@ -34,9 +34,8 @@ from ..model import (
 )
 from ..publish.hub import model_card
 from . import checkpoint as ckpt
-from . import outputs
+from . import outputs, resume
 from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, start_trackers
-from .checkpoint_manifest import decided_on_main_process, set_aside_skipped
 from .evaluation import evaluate, record_evaluation
 from .failures import DiskFull, Preempted, is_disk_full
 from .flops import flop_counts
@@ -114,7 +113,7 @@ class Recipe:
         if accelerator.num_processes > 1:
             check_shared_output_dir(accelerator, self.output_dir)
             cache_shared = shares_cache(accelerator, config)
-        self._find_resume_point()
+        self.resume_from, self.resume_skip, self._resume_warning = resume.find_resume_point(accelerator, config)
         set_seed(config.seed)
         log.info("backend: %s%s | processes: %d (%s) | device: %s | mixed precision: %s", self.backend.name,
                  f" ({self.backend.reason})" if self.backend.reason else "", accelerator.num_processes,
@@ -150,9 +149,9 @@ class Recipe:
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader), self.method.steps_per_batch)
         self.scheduler = build_scheduler(config, self.optimizer, self.total_steps)
         ckpt.install_trainable_only_hooks(accelerator)
-        self.state = self._fresh_state()
+        self.state = resume.fresh_state(config, self.data_parallel, self.model_commit)
         if self.resume_from is not None:
-            self._load_checkpoint(self.resume_from)
+            self.state, self._rng_to_reapply = resume.load_checkpoint(self, self.resume_from)
         if threading.current_thread() is threading.main_thread():  # Ray Train runs the loop in another thread
             signal.signal(signal.SIGTERM, self._on_sigterm)
         start_trackers(accelerator, config, self.verbose)
@@ -172,52 +171,6 @@ class Recipe:
                 f"every trainable parameter to get a gradient, and {len(missing)} get none ({', '.join(missing[:3])}"
                 f"{', ...' if len(missing) > 3 else ''}); use use_gradient_checkpointing: true (non-reentrant, "
                 "transformers) or leave those modules out of lora_target_modules")
-
-    def _find_resume_point(self) -> None:
-        self.resume_from, self.resume_skip, warning = decided_on_main_process(
-            self.accelerator, lambda: resume_rule(self.config, self.accelerator.num_processes))
-        if self.accelerator.is_main_process:
-            set_aside_skipped()
-            outputs.clean_up_interrupted_saves(self.config, resuming=self.resume_from is not None)
-        self.accelerator.wait_for_everyone()
-        self._resume_warning = warning
-
-    def _fresh_state(self) -> ckpt.CheckpointState:
-        config = self.config
-        return ckpt.CheckpointState(
-            global_step=0, epoch=0, batches_in_epoch=0, samples_in_epoch=0, samples_seen=0,
-            world_size=self.data_parallel, per_device_train_batch_size=config.per_device_train_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            run_fingerprint=config.run_fingerprint(), config_fingerprint=config.fingerprint(),
-            run_identity=config.run_identity(), model_commit=self.model_commit,
-        )
-
-    def _load_checkpoint(self, path: Path) -> None:
-        accelerator, config = self.accelerator, self.config
-        saved = ckpt.CheckpointState.read(path)
-        if saved.model_commit and self.model_commit and saved.model_commit != self.model_commit:
-            raise ConfigError(f"revision: {config.model_name} now resolves to commit {self.model_commit}, but "
-                              f"{path.name} was trained on {saved.model_commit}; set revision: {saved.model_commit} to resume")
-        if not ckpt.rng_file_exists(path, accelerator.process_index):
-            log.warning("%s has no RNG state for rank %d (it was saved by %d process(es)); that rank starts from its seed",
-                        path, accelerator.process_index, saved.world_size)
-        if self._resume_warning:
-            log.warning(self._resume_warning)
-        ckpt.load_state(accelerator, path, self.model, self.optimizer, self.scheduler)
-        self.method.load_state(path, accelerator, saved.global_step)
-        accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(self.output_dir))
-        self.state = saved
-        self.state.batches_in_epoch = self.resume_skip
-        self.state.world_size = self.data_parallel
-        self.state.per_device_train_batch_size = config.per_device_train_batch_size
-        self.state.gradient_accumulation_steps = config.gradient_accumulation_steps
-        self.state.config_fingerprint = config.fingerprint()
-        self.state.run_fingerprint, self.state.run_identity = config.run_fingerprint(), config.run_identity()
-        self.state.model_commit = self.model_commit
-        # mid-way through a group trained for several steps, the uninterrupted run drew its iterator before it too
-        self._rng_to_reapply = path if self.resume_skip or saved.global_step % self.method.steps_per_batch else None
-        log.info("resumed from %s at step %d (epoch %d, %d batch(es) in)", path, saved.global_step, saved.epoch,
-                 self.resume_skip)
 
     def _on_sigterm(self, _signum, _frame) -> None:
         self.stop_requested = True

@@ -113,7 +113,7 @@ def test_ids_and_labels_are_the_processors_own_with_images_and_prompts_untrained
         # as TRL's vision collator calls it (the template writes bos; the tokenizer must not add a second)
         expected = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
         example = data[index]
-        assert decode_references(example["images"]) == [str(FIXTURES / p) for p in row["images"]]
+        assert decode_references(example["images"]) == [str((FIXTURES / p).resolve()) for p in row["images"]]
         batch = collate([example])
         assert batch["input_ids"][0].tolist() == expected["input_ids"][0].tolist(), index
         for key in expected:

@@ -41,11 +41,11 @@ def demo_command(
     if method == "grpo":
         from .demo_grpo import grpo_demo
 
-        return grpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft"))
+        return grpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft", False))
     if method == "dpo":
         from .demo_dpo import dpo_demo
 
-        return dpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft"))
+        return dpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft", False))
     import yaml
 
     from ..config import parse_config

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -46,12 +45,8 @@ def demo_command(
         from .demo_dpo import dpo_demo
 
         return dpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft", False))
-    import yaml
-
-    from ..config import parse_config
     from ..demo import demo_config, make_tiny_model, task_records, write_jsonl
-    from ..launcher.local import launch
-    from ..launcher.plan import plan_launch
+    from ._demo import launch_demo, text_answers
 
     model_dir = directory / "tiny-llama"
     if not (model_dir / "config.json").exists():
@@ -64,29 +59,10 @@ def demo_command(
     raw = demo_config(model_dir.resolve(), data.resolve(), (directory / "outputs").resolve(), max_steps=steps or 250,
                       finetune_type="full", final_model_dir="model", max_seq_length=48, per_device_train_batch_size=16,
                       learning_rate=5e-3, warmup_steps=10, logging_steps=50)
-    config_path = directory / "config.yaml"
-    config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    before = _answers(model_dir, held_out)
-    plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)
-    typer.echo(f"$ {plan.printable()}", err=True)
-    code = launch(plan)
-    summary_path = directory / "outputs" / "train_summary.json"
-    if code != 0 or not summary_path.exists():
-        raise typer.Exit(code or 1)
-    summary = json.loads(summary_path.read_text())
-    after = _answers(Path(summary["final_model_dir"]), held_out)
+    before = text_answers(model_dir, held_out)
+    summary = launch_demo(directory / "config.yaml", raw, processes, directory / "outputs")
+    after = text_answers(Path(summary["final_model_dir"]), held_out)
     _report(held_out, before, after, summary)
-
-
-def _answers(model_dir: Path, records: list[dict]) -> list[str]:
-    from transformers.utils import logging as hf_logging
-
-    from ..demo import held_out_answers
-    from ..inference import load_for_inference
-
-    hf_logging.disable_progress_bar()
-    model, tokenizer = load_for_inference(model_dir, device="cpu")
-    return held_out_answers(model, tokenizer, records)
 
 
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict) -> None:

@@ -7,7 +7,6 @@ accuracy (chosen log-prob > rejected) is shown before and after.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -16,18 +15,10 @@ TRAIN_PAIRS, HELD_OUT_PAIRS, STEPS = 512, 100, 30
 
 
 def dpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
-    import yaml
-
-    from ..config import parse_config
     from ..demo import demo_config, preference_records, task_records, write_jsonl
-    from ..launcher.local import launch
-    from ..launcher.plan import plan_launch
+    from ._demo import launch_demo, sft_demo_model
 
-    sft_model = directory / "outputs" / "model"
-    if not (sft_model / "config.json").exists():
-        typer.echo(f"no SFT demo model in {sft_model}: training it first", err=True)
-        train_sft()
-    sft_model = sft_model.resolve()
+    sft_model = sft_demo_model(directory, train_sft)
     train = task_records(TRAIN_PAIRS, seed=2)
     held_out = task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train})
     data = write_jsonl(preference_records(train), directory / "dpo_data.jsonl")
@@ -37,16 +28,8 @@ def dpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> N
                       dataset=[{"name": str(data.resolve())}], finetune_type="lora", lora_r=16, lora_alpha=32,
                       max_seq_length=64, per_device_train_batch_size=8, learning_rate=5e-3, warmup_steps=2,
                       logging_steps=10, overwrite_output_dir=True)
-    config_path = directory / "dpo_config.yaml"
-    config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     before = _accuracy(sft_model, held_out_pairs)
-    plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)
-    typer.echo(f"$ {plan.printable()}", err=True)
-    code = launch(plan)
-    summary_path = output / "train_summary.json"
-    if code != 0 or not summary_path.exists():
-        raise typer.Exit(code or 1)
-    summary = json.loads(summary_path.read_text())
+    summary = launch_demo(directory / "dpo_config.yaml", raw, processes, output)
     after = _accuracy(Path(summary["final_model_dir"]), held_out_pairs)
     pair = held_out_pairs[0]
     typer.echo(f"{pair['prompt'][0]['content']!r}\n  chosen:   {pair['chosen'][0]['content']}\n"

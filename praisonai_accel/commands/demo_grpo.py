@@ -8,7 +8,6 @@ right answer. The held-out exact match on four names is shown before and after.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -41,18 +40,10 @@ def four_name_records(count: int, seed: int, exclude: set[str] = frozenset()) ->
 
 
 def grpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
-    import yaml
-
-    from ..config import parse_config
     from ..demo import demo_config, demo_prompt, write_jsonl
-    from ..launcher.local import launch
-    from ..launcher.plan import plan_launch
+    from ._demo import launch_demo, sft_demo_model, text_answers
 
-    sft_model = directory / "outputs" / "model"
-    if not (sft_model / "config.json").exists():
-        typer.echo(f"no SFT demo model in {sft_model}: training it first", err=True)
-        train_sft()
-    sft_model = sft_model.resolve()
+    sft_model = sft_demo_model(directory, train_sft)
     train = four_name_records(TRAIN_PROMPTS, seed=4)
     held_out = four_name_records(HELD_OUT_PROMPTS, seed=5, exclude={r["input"] for r in train})
     data = write_jsonl([{"prompt": demo_prompt(r), "answer": r["output"]} for r in train],
@@ -65,29 +56,10 @@ def grpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> 
                       max_seq_length=64, finetune_type="full", final_model_dir="model", learning_rate=1e-3,
                       warmup_steps=2, max_steps=steps or STEPS, logging_steps=LOGGING_STEPS, save_strategy="no",
                       overwrite_output_dir=True, num_completions_to_print=2)
-    config_path = directory / "grpo_config.yaml"
-    config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    before = _answers(sft_model, held_out)
-    plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)
-    typer.echo(f"$ {plan.printable()}", err=True)
-    code = launch(plan)
-    summary_path = output / "train_summary.json"
-    if code != 0 or not summary_path.exists():
-        raise typer.Exit(code or 1)
-    summary = json.loads(summary_path.read_text())
-    after = _answers(Path(summary["final_model_dir"]), held_out)
+    before = text_answers(sft_model, held_out)
+    summary = launch_demo(directory / "grpo_config.yaml", raw, processes, output)
+    after = text_answers(Path(summary["final_model_dir"]), held_out)
     _report(held_out, before, after, summary, output)
-
-
-def _answers(model_dir: Path, records: list[dict]) -> list[str]:
-    from transformers.utils import logging as hf_logging
-
-    from ..demo import held_out_answers
-    from ..inference import load_for_inference
-
-    hf_logging.disable_progress_bar()
-    model, tokenizer = load_for_inference(model_dir, device="cpu")
-    return held_out_answers(model, tokenizer, records)
 
 
 def _report(held_out, before, after, summary, output: Path) -> None:

@@ -8,7 +8,6 @@ shape?" is shown before and after (chance: 25%).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -17,13 +16,9 @@ KIND, TRAIN_IMAGES, HELD_OUT_IMAGES, SHOWN = "idefics3", 512, 64, 3
 
 
 def vision_demo(directory: Path, processes: int, steps: int | None) -> None:
-    import yaml
-
-    from ..config import parse_config
     from ..demo import write_jsonl
     from ..demo_vision import make_tiny_vlm, shape_splits, trl_rows, vision_demo_config
-    from ..launcher.local import launch
-    from ..launcher.plan import plan_launch
+    from ._demo import launch_demo
 
     model_dir = directory / f"tiny-{KIND}"
     if not (model_dir / "config.json").exists():
@@ -35,16 +30,8 @@ def vision_demo(directory: Path, processes: int, steps: int | None) -> None:
     output = (directory / "vision_outputs").resolve()
     raw = vision_demo_config(model_dir.resolve(), data.resolve(), output, overwrite_output_dir=True,
                              **({"max_steps": steps} if steps else {}))
-    config_path = directory / "vision_config.yaml"
-    config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     before = _answers(model_dir, held_out, data_dir)
-    plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)
-    typer.echo(f"$ {plan.printable()}", err=True)
-    code = launch(plan)
-    summary_path = output / "train_summary.json"
-    if code != 0 or not summary_path.exists():
-        raise typer.Exit(code or 1)
-    summary = json.loads(summary_path.read_text())
+    summary = launch_demo(directory / "vision_config.yaml", raw, processes, output)
     after = _answers(Path(summary["final_model_dir"]), held_out, data_dir)
     _report(held_out, before, after, summary, data_dir)
 

@@ -1,0 +1,49 @@
+"""What the demos share: the SFT demo's model (trained first where a later demo starts from it), a demo's config
+launched on CPU processes exactly as `train` launches one, and a text model's greedy answers to held-out prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def sft_demo_model(directory: Path, train_sft) -> Path:
+    """The SFT demo's final model under `directory`, trained first (`train_sft()`) when it is absent."""
+    model = directory / "outputs" / "model"
+    if not (model / "config.json").exists():
+        typer.echo(f"no SFT demo model in {model}: training it first", err=True)
+        train_sft()
+    return model.resolve()
+
+
+def launch_demo(config_path: Path, raw: dict, processes: int, output: Path) -> dict:
+    """Write `raw` to `config_path`, launch it on `processes` CPU processes and return the run's train_summary.json;
+    exit with the run's code when it fails."""
+    import yaml
+
+    from ..config import parse_config
+    from ..launcher.local import launch
+    from ..launcher.plan import plan_launch
+
+    config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    plan = plan_launch(config_path, parse_config(raw), num_processes=processes, cpu=True)
+    typer.echo(f"$ {plan.printable()}", err=True)
+    code = launch(plan)
+    summary_path = output / "train_summary.json"
+    if code != 0 or not summary_path.exists():
+        raise typer.Exit(code or 1)
+    return json.loads(summary_path.read_text())
+
+
+def text_answers(model_dir: Path, records: list[dict]) -> list[str]:
+    """The model's greedy answers to the demo's held-out prompts (praisonai_accel.demo.held_out_answers)."""
+    from transformers.utils import logging as hf_logging
+
+    from ..demo import held_out_answers
+    from ..inference import load_for_inference
+
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_for_inference(model_dir, device="cpu")
+    return held_out_answers(model, tokenizer, records)

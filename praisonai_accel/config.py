@@ -11,11 +11,13 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .config_keys import (CheckpointKeys, DataKeys, DatasetSpec, EvalKeys, FinetuneKeys, GGUFKeys,
+                          LossAndLengthKeys, ModelKeys, OptimizerKeys, OutputKeys, ProcessKeys, PublishKeys)
 from .config_method import MethodKeys
 from .config_vision import VisionKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
@@ -23,7 +25,6 @@ from .errors import ConfigError  # noqa: F401  (raised here; imported from here 
 # Local data files by extension, and the datasets loader that reads them (checked by the CLI before launch).
 LOCAL_DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MULTI_DEVICE_MAPS = {"auto", "balanced", "balanced_low_0", "sequential"}
 
 # Keys of the original PraisonAI train config, accepted under their old names.
@@ -55,82 +56,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-class DatasetSpec(_Strict):
-    name: str
-    split: str = "train"
-    subset: str | None = None
-    data_files: str | list[str] | None = None
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
-    text_field: str = "text"
-    num_samples: int | None = Field(default=None, gt=0)
-    system_prompt: str | None = None
-
-
-class TrainConfig(MethodKeys, VisionKeys, _Strict):
-    # model
-    model_name: str
-    tokenizer_name: str | None = None
-    revision: str | None = None  # a branch, tag or commit of model_name (and tokenizer_name) on the Hub
-    max_seq_length: int = Field(default=2048, gt=0)
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device_map: Union[str, dict[str, Union[int, str]], None] = None
-    use_unsloth: Union[bool, Literal["auto"]] = "auto"
-    use_gradient_checkpointing: Union[bool, Literal["unsloth", "reentrant"]] = False
-    trust_remote_code: bool = False
-
-    # data
-    dataset: list[DatasetSpec] = Field(min_length=1)
-    train_on_inputs: bool = False
-    chat_template: str | None = None
-    dataset_num_proc: int | None = Field(default=None, gt=0)
-    dataset_prepared_path: str | None = None  # the preprocessing cache; default output_dir/.cache/preprocessed
-    group_by_length: bool = False  # batch samples of similar length: far less padding, same sequence for any layout
-    group_by_length_window: int = Field(default=256, gt=0)
-    truncation: Literal["keep_response", "right"] = "keep_response"
-    # When even the response does not fit: cut its end (truncate) or leave the example out (drop)
-    excess_length_strategy: Literal["truncate", "drop"] = "truncate"
-    packing: bool = False
-    skip_invalid_rows: bool = False  # train on the valid rows; every other one is listed in logs/skipped_rows.jsonl
-
-    # fine-tune method
-    finetune_type: Literal["lora", "qlora", "full"] = "lora"
-    load_in_4bit: bool | None = None
-    lora_r: int = Field(default=16, gt=0)
-    lora_alpha: int = Field(default=16, gt=0)
-    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    lora_target_modules: Union[list[str], Literal["all-linear"]] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
-    lora_bias: Literal["none", "all", "lora_only"] = "none"
-    use_rslora: bool = False
-    # optimisation
-    per_device_train_batch_size: int = Field(default=2, gt=0)
-    gradient_accumulation_steps: int = Field(default=1, gt=0)
-    learning_rate: float = Field(default=2e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_grad_norm: float = Field(default=1.0, ge=0)
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
-    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
-    adam_epsilon: float = Field(default=1e-8, gt=0)
-    num_train_epochs: int = Field(default=1, gt=0)
-    max_steps: int = -1
-    warmup_steps: int = Field(default=0, ge=0)
-    warmup_ratio: float = Field(default=0.0, ge=0, lt=1)
-    lr_scheduler_type: Literal[
-        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
-    ] = "linear"
-    optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd"] = "adamw_torch"
-    seed: int = 3407
-    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
-    ddp_find_unused_parameters: bool | None = None
-    ddp_timeout: int = Field(default=1800, gt=0)  # seconds a collective waits for every rank (torch's default)
-    preflight_timeout: float = Field(default=60, gt=0)  # seconds for the all-reduce every rank does before loading
-    hang_timeout: float = Field(default=1800, ge=0)  # seconds without a finished step before a rank reports a hang; 0: off
-    preemption_grace_seconds: int = Field(default=120, ge=0)  # SIGTERM to SIGKILL, for the save (torchrun's default: 30)
-    chunked_loss: bool = True  # LM head + cross-entropy at target positions only, in chunks; false: the model's full logits
-    use_liger: Union[bool, Literal["auto"]] = "auto"  # liger-kernel's fused linear cross-entropy, on a GPU
-    # long context (README "Long context"): ranks sharing every row (Ulysses), and the MLP over tiles of the row
-    sequence_parallel_size: int = Field(default=1, ge=1)
-    tiled_mlp: bool = False
-    tiled_mlp_shards: int | None = Field(default=None, gt=0)  # default: about hidden_size tokens per tile
+# The groups are listed last to first: pydantic orders fields from the last base to the first, and this keeps
+# the order the keys are validated (and printed by train --dry-run) in: vision, method, model, ..., GGUF.
+class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, LossAndLengthKeys, ProcessKeys,
+                  OptimizerKeys, FinetuneKeys, DataKeys, ModelKeys, MethodKeys, VisionKeys, _Strict):
+    """Every key of config.yaml: the groups of config_keys.py, the method's keys and the vision keys, and the rules
+    that span groups."""
 
     @field_validator("sequence_parallel_size")
     @classmethod
@@ -146,51 +77,6 @@ class TrainConfig(MethodKeys, VisionKeys, _Strict):
         if value is not None and not info.data.get("tiled_mlp"):
             raise ValueError("tiled_mlp_shards: only used with tiled_mlp: true; set it, or remove tiled_mlp_shards")
         return value
-
-    # outputs
-    output_dir: str = "outputs"
-    final_model_dir: str = "lora_model"
-    logging_steps: int = Field(default=1, gt=0)
-    report_to: Union[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"],
-                     list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = "none"
-    run_name: str | None = None
-    plot_loss: bool = True  # output_dir/loss.png at the end of training (LLaMA-Factory's key)
-
-    # checkpoints and resume
-    save_strategy: Literal["no", "steps", "epoch"] | None = None  # default: "steps" if save_steps is set, else "no"
-    save_steps: int | None = Field(default=None, gt=0)
-    save_total_limit: int | None = Field(default=None, gt=0)
-    resume_from_checkpoint: Union[bool, str] = True
-    force_resume: bool = False  # resume from a resume_from_checkpoint path that belongs to another run, on purpose
-    overwrite_output_dir: bool = False
-
-    # evaluation and early stopping
-    eval_dataset: list[DatasetSpec] | None = None
-    val_split_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
-    eval_strategy: Literal["no", "steps", "epoch"] | None = None  # default: steps/epoch when eval data is given
-    eval_steps: int | None = Field(default=None, gt=0)
-    per_device_eval_batch_size: int | None = Field(default=None, gt=0)
-    load_best_model_at_end: bool = False
-    metric_for_best_model: str = "eval_loss"  # eval_loss, or an eval metric of the method (eval_rewards/accuracies)
-    greater_is_better: bool = False
-    early_stopping_patience: int | None = Field(default=None, gt=0)
-    early_stopping_threshold: float = Field(default=0.0, ge=0.0)
-
-    # publishing (rank 0 only, after training; the token comes from HF_TOKEN, never from this file)
-    push_to_hub: bool = False
-    hub_model_id: str | None = None
-    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = "end"
-    hub_private: bool = True
-    ollama_model: str | None = None
-    ollama_base: str | None = None  # an Ollama model to use as FROM; default: upload the base model's files
-    ollama_push: bool = False
-    # GGUF after training, under praisonai-train's names (rank 0, after the final save; publish/gguf.py does it)
-    GGUF_METHODS: ClassVar[tuple] = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q3_k_m", "q6_k",
-                                     "q2_k", "f16", "bf16")
-    quantization_method: Union[str, list[str]] = "q4_k_m"  # one method or several; a .gguf file for each
-    save_gguf: bool = False  # write output_dir/gguf/<final_model_dir>-<METHOD>.gguf
-    huggingface_save_gguf: bool = False  # also upload the .gguf files to hub_model_id (hf_model_name)
-    ollama_save: bool = False  # create ollama_model FROM the first method's .gguf instead of from safetensors
 
     @model_validator(mode="after")
     def _check_gguf(self) -> "TrainConfig":

@@ -16,15 +16,25 @@ VISION_KEYS = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_la
 
 
 class VisionKeys(BaseModel):
-    freeze_vision_tower: bool = True
-    freeze_multi_modal_projector: bool = False
-    freeze_language_model: bool = False
-    # praisonai-train's names: finetune_vision_layers = not freeze_vision_tower, finetune_language_layers = not
-    # freeze_language_model. Kept as written (None: not written) so a contradiction can be named.
-    finetune_vision_layers: bool | None = None
-    finetune_language_layers: bool | None = None
-    image_max_pixels: int | None = Field(default=None, gt=0)  # processors that resize by pixels (Qwen2-VL ...)
-    image_min_pixels: int | None = Field(default=None, gt=0)
+    """Vision: which parts of a vision-language model train, and its images' size (a text-only model refuses them)."""
+
+    freeze_vision_tower: bool = Field(default=True, description="The vision encoder gets no gradient (LoRA is not put "
+                                                                "on it).")
+    freeze_multi_modal_projector: bool = Field(
+        default=False, description="Freeze the projector between the encoder and the language model; when it trains "
+                                   "under LoRA it trains whole and is saved with the adapter.")
+    freeze_language_model: bool = Field(default=False, description="Freeze the language model (with the embeddings "
+                                                                   "and the LM head).")
+    # Kept as written (None: not written) so a contradiction with the freeze_* switch can be named.
+    finetune_vision_layers: bool | None = Field(
+        default=None, description="praisonai-train's name: finetune_vision_layers: true is freeze_vision_tower: false.")
+    finetune_language_layers: bool | None = Field(
+        default=None, description="praisonai-train's name: the inverse of freeze_language_model.")
+    image_max_pixels: int | None = Field(
+        default=None, gt=0, description="The most pixels an image is resized to, for processors that take a pixel "
+                                        "budget (Qwen2-VL, Qwen2.5-VL); default: the processor's.")
+    image_min_pixels: int | None = Field(default=None, gt=0,
+                                         description="The fewest pixels an image is resized to (as image_max_pixels).")
 
     @model_validator(mode="before")
     @classmethod

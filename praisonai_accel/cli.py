@@ -6,7 +6,7 @@ import typer
 
 from .commands._common import one_line_errors
 from .commands.chat import chat_command, generate_command
-from .commands.config import config_command
+from .commands.config import config_app
 from .commands.demo import demo_command
 from .commands.env import env_command
 from .commands.export import export_app
@@ -32,12 +32,12 @@ app.command("preprocess")(one_line_errors(preprocess_command))
 app.command("report")(one_line_errors(report_command))
 app.command("slurm")(one_line_errors(slurm_command))
 app.command("k8s")(one_line_errors(k8s_command))
-app.command("config")(one_line_errors(config_command))
 app.command("env")(one_line_errors(env_command))
 app.command("demo")(one_line_errors(demo_command))
 app.command("merge")(one_line_errors(merge_command))
 app.command("chat")(one_line_errors(chat_command))
 app.command("generate")(one_line_errors(generate_command))
+app.add_typer(config_app, name="config")
 app.add_typer(publish_app, name="publish")
 app.add_typer(export_app, name="export")
 

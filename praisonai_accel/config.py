@@ -149,7 +149,7 @@ class TrainConfig(MethodKeys, VisionKeys, _Strict):
 
     # outputs
     output_dir: str = "outputs"
-    final_model_dir: str = "lora_model"
+    final_model_dir: str | None = None  # default: lora_model for LoRA / QLoRA, model for a full fine-tune
     logging_steps: int = Field(default=1, gt=0)
     report_to: Union[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"],
                      list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = "none"
@@ -236,8 +236,11 @@ class TrainConfig(MethodKeys, VisionKeys, _Strict):
 
     def _check_final_model_dir(self) -> None:
         """The final save replaces final_model_dir: it must not be output_dir, hold it, or sit where checkpoints go."""
+        if self.final_model_dir is None:
+            self.final_model_dir = "lora_model" if self.uses_lora else "model"
         if not self.final_model_dir.strip():
-            raise ValueError("final_model_dir: must name a directory (default lora_model, inside output_dir)")
+            raise ValueError("final_model_dir: must name a directory (default lora_model, or model for a full "
+                             "fine-tune, inside output_dir)")
         output, final = self.output_path().resolve(), self.final_model_path().resolve()
         if output == final or output.is_relative_to(final):
             raise ValueError(f"final_model_dir: '{self.final_model_dir}' is output_dir or holds it; the final save would "

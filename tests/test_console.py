@@ -22,6 +22,8 @@ from praisonai_accel.report import read_run, write_loss_plot
 from praisonai_accel.worker import outputs
 from praisonai_accel.worker.metrics import MetricsLogger, StepResult, Window, headline_names
 
+from conftest import screen_of
+
 GRPO_RECORD = {  # what a GRPO step logs (about 400 characters as one line)
     "step": 4, "epoch": 0.5, "loss": 0.0123, "reward": 0.75, "reward_std": 0.2, "rewards/correct/mean": 0.5,
     "rewards/correct/std": 0.5, "rewards/format/mean": 1.0, "rewards/format/std": 0.0, "frac_reward_zero_std": 0.25,
@@ -30,24 +32,6 @@ GRPO_RECORD = {  # what a GRPO step logs (about 400 characters as one line)
     "model_tflops_per_second": 0.01, "step_seconds": 0.5, "padding_fraction": 0.1, "tokens": 100, "positions": 110,
     "targets": 50, "examples": 8, "model_flops": 1e9, "time": 0.0,
 }
-
-
-def screen(text: str) -> list[str]:
-    """The lines a terminal shows for `text`: a carriage return goes back to column 0 and overwrites, ESC[2K erases
-    the line, a newline moves down."""
-    lines, line, column = [], [], 0
-    for token in re.findall(r"\x1b\[2K|\r|\n|[^\r\n\x1b]+", text):
-        if token == "\n":
-            lines.append("".join(line).rstrip())
-            line, column = [], 0
-        elif token == "\r":
-            column = 0
-        elif token == "\x1b[2K":
-            line = []
-        else:
-            line[column:column + len(token)] = list(token)
-            column += len(token)
-    return lines + (["".join(line).rstrip()] if line else [])
 
 
 @pytest.fixture
@@ -83,7 +67,7 @@ def test_the_bar_redraws_in_place_every_step_and_log_lines_go_above_it(tmp_path,
     redraws = [piece for piece in text.split("\r") if piece.startswith("\x1b[2Ktraining")]
     counts = [int(re.search(r" (\d+)/8", piece).group(1)) for piece in redraws]
     assert counts == sorted(counts) and sorted(set(counts)) == list(range(9)), counts  # every step, not every log
-    shown = screen(text)
+    shown = screen_of(text)
     assert sum(line.startswith("training") for line in shown) == 1, shown  # one bar, not a line per refresh
     assert shown[-1].startswith("training ") and " 8/8" in shown[-1]
     assert "saved checkpoint out/checkpoint-6" in shown and "step 4/8 | loss 0.0123 | reward 0.75 | correct 0.5 | format 1 " \
@@ -104,7 +88,7 @@ def test_the_launcher_keeps_the_bar_below_what_other_processes_write(tmp_path):
     os.close(write)
     relay.feed_stream(read)
     os.close(read)
-    shown = screen(sink.getvalue())
+    shown = screen_of(sink.getvalue())
     assert shown == ["rank 1: warning: something", "step 3/10 | loss 1.0000", "training ##########-- 10/10",
                      "error: rank 0: boom"], shown
     assert relay.worker_error  # its "error:" line is known as one, cleared or not

@@ -170,7 +170,9 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
     relay = "accelerate.commands.launch" in command and full_env.get(VERBOSE_ENV) != "1"
     if relay and sys.stderr.isatty():
         full_env[TTY_ENV] = "1"  # the workers' progress bar is for a terminal, though it reaches it through a pipe
-        full_env.setdefault("COLUMNS", str(os.get_terminal_size(sys.stderr.fileno()).columns))  # the bar's width
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+        if columns > 0:  # the bar's width (0: a terminal that never said)
+            full_env.setdefault("COLUMNS", str(columns))
     proc = subprocess.Popen(list(command), env=full_env, start_new_session=True, preexec_fn=_kill_with_parent,
                             stderr=subprocess.PIPE if relay else None)
 

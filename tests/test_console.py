@@ -210,3 +210,45 @@ def test_a_full_fine_tune_is_saved_as_model_and_lora_as_lora_model(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     assert resolve_model_dir(tmp_path) == tmp_path / "model"
+
+
+def test_ctrl_c_before_training_says_whether_there_is_anything_to_resume(tmp_path):
+    from praisonai_accel.config import TrainConfig
+    from praisonai_accel.worker import checkpoint as ckpt
+    from praisonai_accel.worker.failures import Interrupted
+    from praisonai_accel.worker.main import _message
+
+    config = TrainConfig(model_name="m", dataset=[{"name": "d.jsonl"}], output_dir=str(tmp_path))
+    assert _message(KeyboardInterrupt(), config) == ("praisonai-accel: interrupted before training began; nothing to "
+                                                     "resume, a re-run starts from step 0")
+    earlier = tmp_path / "checkpoint-7"
+    earlier.mkdir()
+    (earlier / ckpt.MARKER).write_text("")
+    (earlier / ckpt.STATE_FILE).write_text("{}")
+    assert _message(KeyboardInterrupt(), config).endswith(f"re-run the same command to resume from {earlier}")
+    assert _message(Interrupted(earlier), config) == (f"praisonai-accel: interrupted; checkpoint of the last finished "
+                                                      f"step saved at {earlier}; re-run the same command to resume")
+
+
+def test_sigint_sigterm_and_slurms_sigusr1_each_ask_for_a_stop_named_after_it(tmp_path):
+    import signal
+
+    from praisonai_accel.worker.failures import Interrupted, Preempted
+    from praisonai_accel.worker.stop import STOP_SIGNALS, StopSignals
+
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
+    try:
+        for name, kind, status in (("SIGUSR1", Preempted, "preempted"), ("SIGTERM", Preempted, "preempted"),
+                                   ("SIGINT", Interrupted, "interrupted")):
+            stop = StopSignals()
+            stop.install()
+            assert not stop.requested
+            os.kill(os.getpid(), getattr(signal, name))
+            os.kill(os.getpid(), signal.SIGINT)  # a repeat (torchrun's agent forwards it again) changes nothing
+            assert stop.requested and stop.name == name
+            stopped = stop.stopped(tmp_path / "checkpoint-3")
+            assert type(stopped) is kind and stopped.status == status
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+    assert "stopped by SIGUSR1; checkpoint of the last finished step saved at" in str(Preempted(tmp_path, "SIGUSR1"))

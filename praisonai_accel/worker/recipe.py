@@ -225,7 +225,7 @@ class Recipe:
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         stop_early = self._evaluate_and_record(end_of_epoch)
                         watchdog.progress()
-                    if step.stop:
+                    if step.stop and not last:  # on the last step: finish, the final save is the checkpoint
                         self._preempted()
                     if self._saves_at(state.global_step, end_of_epoch):
                         self.save_checkpoint()

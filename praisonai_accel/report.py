@@ -107,9 +107,10 @@ def _status(output_dir: Path, progress: dict, summary: dict, checkpoints: list[s
     if state == "failed":
         return f"failed (exit code {progress.get('exit_code')}); {resume}"
     if state == "running":
-        recent = time.time() - os.path.getmtime(output_dir / "progress.json") < 600
+        written = output_dir / ("metrics.jsonl" if (output_dir / "metrics.jsonl").exists() else "progress.json")
+        recent = time.time() - os.path.getmtime(written) < 600
         return ("running (or stopped in the last 10 minutes)" if recent and not (output_dir / "run.lock").exists()
-                else f"stopped without a word (killed?); {resume}")
+                else f"interrupted without saying how (killed?); {resume}")
     if trained or progress:
         return f"interrupted; {resume}"
     return "not started"

@@ -167,7 +167,7 @@ def test_report_tells_a_live_run_from_a_killed_one_by_its_lock(tmp_path):
         assert read_run(out).status == "running"
     finally:
         os.close(fd)  # as the kernel does when the run is SIGKILLed
-    assert read_run(out).status == "stopped without a word (killed?); no checkpoint: a re-run starts from step 0"
+    assert read_run(out).status == "interrupted without saying how (killed?); no checkpoint: a re-run starts from step 0"
 
 
 def test_a_run_that_failed_outside_the_loop_records_it_and_an_ended_one_keeps_its_status(tmp_path):

@@ -189,11 +189,13 @@ def test_crash_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_pa
     assert_same_run(out, reference)
 
 
-def test_sigterm_on_a_single_process_exits_143_with_a_checkpoint(tmp_path, tiny_model, alpaca_file):
+def test_slurms_sigusr1_on_a_single_process_exits_143_with_a_checkpoint(tmp_path, tiny_model, alpaca_file):
+    """SLURM's warning before a preemption (sbatch --signal=USR1@60) reaches praisonai-accel, which stops the run as
+    SIGTERM does (SIGTERM itself: the 2-process tests)."""
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=100000)
     proc = start(config)
     wait_for_step(tmp_path / "out", 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-2000:]
     assert len(ckpt.complete_checkpoints(tmp_path / "out")) == 1 and "stopped by SIGTERM" in stderr

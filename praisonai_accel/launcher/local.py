@@ -161,7 +161,7 @@ class LauncherOutput:
 def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
     """Run the launcher in its own process group and take the whole group down with us.
 
-    Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers);
+    Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers), SIGUSR1 as SIGTERM;
     if this process is killed outright, the launcher gets SIGKILL from the kernel, and each
     worker in turn dies with its launcher. A multi-process launcher's stderr is relayed without
     torchrun's failure block (unless --verbose): a failing worker prints one line naming its log.
@@ -177,12 +177,15 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
                             stderr=subprocess.PIPE if relay else None)
 
     def forward(signum, _frame):
+        # SLURM's warning before a preemption (--signal=USR1@N) reaches us; torchrun's agent would die of it, so
+        # the group gets a SIGTERM: the workers save their last finished step and exit 143.
         try:
-            os.killpg(proc.pid, signum)
+            os.killpg(proc.pid, signal.SIGTERM if signum == getattr(signal, "SIGUSR1", None) else signum)
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    forwarded = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded}
     output = LauncherOutput(sys.stderr) if relay else None
     try:
         if output is not None:

@@ -96,7 +96,8 @@ def _status(output_dir: Path, progress: dict, summary: dict, checkpoints: list[s
     still running: its run.lock is held."""
     state = progress.get("status")
     if summary or state == "finished":
-        return "finished"
+        return "finished, but a push or an Ollama create failed (exit code 4)" if progress.get("exit_code") == 4 \
+            else "finished"
     resume = (f"re-run the same command to resume from {checkpoints[-1]}" if checkpoints
               else "no checkpoint: a re-run starts from step 0")
     if state == "running" and _lock_held(output_dir):

@@ -176,6 +176,13 @@ def test_a_run_that_failed_outside_the_loop_records_it_and_an_ended_one_keeps_it
     assert json.loads((out / "progress.json").read_text())["status"] == "failed"
     outputs.record_end(out, "interrupted", 130)  # already ended: kept
     assert json.loads((out / "progress.json").read_text())["exit_code"] == 1
+    (out / "train_summary.json").write_text("{}")
+    outputs.record_end(out, "finished", 4, replaces=("finished",))  # that one was already recorded as failed
+    assert json.loads((out / "progress.json").read_text())["exit_code"] == 1
+    progress = json.loads((out / "progress.json").read_text())
+    (out / "progress.json").write_text(json.dumps({**progress, "status": "finished", "exit_code": 0}))
+    outputs.record_end(out, "finished", 4, replaces=("finished",))  # trained and saved, then a push failed
+    assert read_run(out).status == "finished, but a push or an Ollama create failed (exit code 4)"
     outputs.record_end(tmp_path / "never-started", "failed", 1)
     assert not (tmp_path / "never-started" / "progress.json").exists()
 

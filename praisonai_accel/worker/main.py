@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = publish_after_training(config, publisher, Path(summary["final_model_dir"])) if env.rank == 0 else []
     for problem in problems:
         print(f"error: {problem} (the trained model is safe in {summary['final_model_dir']})", file=sys.stderr)
+    if problems:
+        _record_end(config, "finished", PUBLISH_FAILED_EXIT_CODE, replaces=("finished",))
     return PUBLISH_FAILED_EXIT_CODE if problems else 0
 
 
@@ -170,11 +172,11 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
     return FAILED_EXIT_CODE
 
 
-def _record_end(config, status: str, code: int) -> None:
+def _record_end(config, status: str, code: int, replaces: tuple[str, ...] = ("running",)) -> None:
     from .outputs import record_end
 
     try:
-        record_end(config.output_path(), status, code)
+        record_end(config.output_path(), status, code, replaces)
     except OSError:  # the output_dir itself may be what failed
         pass
 

@@ -74,9 +74,9 @@ def write_progress(output_dir: Path, status: str, global_step: int, total_steps:
                        "headline_metrics": list(headline), **ended}, output_dir / "progress.json")
 
 
-def record_end(output_dir: Path, status: str, exit_code: int) -> None:
-    """How a run that stopped outside the training loop ended (an error, Ctrl-C during setup), into progress.json;
-    a status the loop already wrote on its way out (interrupted, preempted, finished) is kept."""
+def record_end(output_dir: Path, status: str, exit_code: int, replaces: tuple[str, ...] = ("running",)) -> None:
+    """How a run that stopped outside the training loop ended (an error, Ctrl-C during setup, a failed push after
+    training), into progress.json; a status other than `replaces` (what the loop wrote on its way out) is kept."""
     import time
 
     path = Path(output_dir) / "progress.json"
@@ -84,7 +84,7 @@ def record_end(output_dir: Path, status: str, exit_code: int) -> None:
         progress = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # never started training: nothing to say it was running
-    if progress.get("status") != "running":
+    if progress.get("status") not in replaces:
         return
     progress.update(status=status, exit_code=exit_code, updated=time.time())
     write_json_atomic(progress, path)

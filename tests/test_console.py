@@ -93,6 +93,16 @@ def test_the_launcher_keeps_the_bar_below_what_other_processes_write(tmp_path):
                      "error: rank 0: boom"], shown
     assert relay.worker_error  # its "error:" line is known as one, cleared or not
 
+    sink = io.StringIO()
+    relay = LauncherOutput(sink)
+    read, write = os.pipe()
+    os.write(write, rank0_bar.encode())  # rank 0 killed with its bar on screen
+    os.close(write)
+    relay.feed_stream(read)
+    os.close(read)
+    sink.write("error: rank 0 was killed (SIGKILL)\n")  # what the launcher says next
+    assert screen_of(sink.getvalue()) == ["training ###------- 3/10 | loss 1.0000", "error: rank 0 was killed (SIGKILL)"]
+
 
 def test_headline_metrics_are_declared_per_method_and_name_logged_metrics():
     from praisonai_accel.methods.base import TrainingMethod

@@ -156,6 +156,9 @@ class LauncherOutput:
         pending += decoder.decode(b"", final=True)
         if pending:
             self.feed(pending + "\n")
+        if self.bar:  # rank 0 died with its bar on screen: what we say next goes below it, not into it
+            self.sink.write("\n")
+            self.bar = ""
 
 
 def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:

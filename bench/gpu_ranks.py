@@ -46,7 +46,7 @@ def write_config(name: str, batch: int, **extra) -> Path:
               "dataset": [{"name": str(WORK / "ranks-data.jsonl"), "format": "alpaca"}], "lora_r": 16,
               "lora_alpha": 32, "lora_dropout": 0.0, "per_device_train_batch_size": batch, "max_steps": STEPS,
               "learning_rate": 2e-4, "logging_steps": 1, "save_steps": SAVE, "use_unsloth": False, "plot_loss": False,
-              "output_dir": str(WORK / name), **extra}
+              "output_dir": str(WORK / name), "final_model_dir": "lora_model", **extra}  # the full fine-tune's too
     path = WORK / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -122,8 +122,11 @@ class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, L
 
     def _check_final_model_dir(self) -> None:
         """The final save replaces final_model_dir: it must not be output_dir, hold it, or sit where checkpoints go."""
+        if self.final_model_dir is None:
+            self.final_model_dir = "lora_model" if self.uses_lora else "model"
         if not self.final_model_dir.strip():
-            raise ValueError("final_model_dir: must name a directory (default lora_model, inside output_dir)")
+            raise ValueError("final_model_dir: must name a directory (default lora_model, or model for a full "
+                             "fine-tune, inside output_dir)")
         output, final = self.output_path().resolve(), self.final_model_path().resolve()
         if output == final or output.is_relative_to(final):
             raise ValueError(f"final_model_dir: '{self.final_model_dir}' is output_dir or holds it; the final save would "

@@ -193,9 +193,10 @@ class OutputKeys(BaseModel):
     """Outputs and logging."""
 
     output_dir: str = Field(default="outputs", description="Where checkpoints, logs and the final model go.")
-    final_model_dir: str = Field(
-        default="lora_model", description="The final model's directory, under output_dir unless absolute; never "
-                                          "output_dir, one of its parents or a checkpoint-N name.")
+    final_model_dir: str | None = Field(
+        default=None, description="The final model's directory, under output_dir unless absolute; default lora_model "
+                                  "for LoRA / QLoRA, model for a full fine-tune; never output_dir, one of its parents "
+                                  "or a checkpoint-N name.")
     logging_steps: int = Field(default=1, gt=0, description="Optimizer steps between logged metrics.")
     report_to: Union[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"],
                      list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = Field(

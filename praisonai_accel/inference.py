@@ -26,8 +26,9 @@ def resolve_model_dir(path: Path) -> Path:
         final = Path(json.loads(summary.read_text())["final_model_dir"])
         if final.is_dir():
             return final
-    if (path / "lora_model" / "adapter_config.json").is_file():
-        return path / "lora_model"
+    for default, marker in (("lora_model", "adapter_config.json"), ("model", "config.json"), ("lora_model", "config.json")):
+        if (path / default / marker).is_file():  # a full fine-tune's default name; lora_model before it had one
+            return path / default
     raise ModelDirError(f"{path}: holds no adapter_config.json or config.json (point at the adapter directory)")
 
 

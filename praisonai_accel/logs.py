@@ -18,8 +18,71 @@ FILE_ONLY.setLevel(logging.INFO)
 
 # ---------------------------------------------------------------- a worker
 
+CLEAR_LINE = "\r\x1b[2K"  # back to column 0 and erase the line: what a terminal redraws in place starts with it
+
+
+class StatusLine:
+    """The one line a terminal redraws in place (the progress bar): each redraw ends in a carriage return, not a
+    newline, and every other line is written above it, after which it is drawn again."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.text = ""
+
+    @staticmethod
+    def width() -> int:
+        import shutil
+
+        return max(20, shutil.get_terminal_size((100, 24)).columns - 1)  # COLUMNS: the launcher's terminal
+
+    def show(self, text: str) -> None:
+        self.text = text[: self.width()]
+        self._write(f"{CLEAR_LINE}{self.text}\r")
+
+    def write_above(self, line: str) -> None:
+        self._write(f"{CLEAR_LINE}{line}\n" + (f"{CLEAR_LINE}{self.text}\r" if self.text else ""))
+
+    def close(self) -> None:
+        """Leave the last state of the line on the screen, and the cursor below it."""
+        if self.text:
+            self._write(f"{CLEAR_LINE}{self.text}\n")
+        self.text = ""
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+_status: StatusLine | None = None  # this process's status line while one is shown
+
+
+def start_status_line(stream=None) -> StatusLine:
+    global _status
+    _status = StatusLine(stream or sys.stderr)
+    return _status
+
+
+def end_status_line() -> None:
+    global _status
+    if _status is not None:
+        _status.close()
+    _status = None
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Log lines go above the status line while one is shown, never into it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _status is None or _status.stream is not self.stream:
+            return super().emit(record)
+        try:
+            _status.write_above(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
 def console_logging(rank: int) -> None:
-    console = logging.StreamHandler(sys.stderr)
+    console = _ConsoleHandler(sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger()

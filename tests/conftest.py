@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,24 @@ def write_config(directory: Path, model: Path, data: Path, **overrides) -> Path:
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def screen_of(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: a carriage return goes back to column 0 and overwrites, ESC[2K erases
+    the line, a newline moves down."""
+    lines, line, column = [], [], 0
+    for token in re.findall(r"\x1b\[2K|\r|\n|[^\r\n\x1b]+", text):
+        if token == "\n":
+            lines.append("".join(line).rstrip())
+            line, column = [], 0
+        elif token == "\r":
+            column = 0
+        elif token == "\x1b[2K":
+            line = []
+        else:
+            line[column:column + len(token)] = list(token)
+            column += len(token)
+    return lines + (["".join(line).rstrip()] if line else [])
 
 
 def cpu_env(**extra) -> dict:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -59,31 +62,109 @@ def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: 
     raise AssertionError(f"run ended or stalled before step {step}")
 
 
-def test_sigterm_then_sigkill_then_resume_is_exact(tmp_path, tiny_model, alpaca_file, reference):
-    """SIGTERM with no periodic saves: one checkpoint, written on the way out. Then the same run again with a save
-    every step, SIGKILLed in epoch 1 (packed rows: about 7 steps an epoch), then again to the end."""
+class Terminal:
+    """`praisonai-accel train` on a pseudo-terminal of 100 columns, its controlling terminal: Ctrl-C is the byte
+    0x03 typed into it, and what the terminal got is read as it comes (a full pty would block the run)."""
+
+    def __init__(self, config: Path, *flags: str):
+        import fcntl
+        import pty
+        import struct
+        import termios
+        import threading
+
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+
+        def take_the_terminal():
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "train", str(config), *flags],
+                                     env=cpu_env(), stdin=slave, stdout=slave, stderr=slave,
+                                     preexec_fn=take_the_terminal)
+        os.close(slave)
+        self.received = bytearray()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: the other side is closed
+                return
+            if not chunk:
+                return
+            self.received += chunk
+
+    def ctrl_c(self) -> None:
+        os.write(self.master, b"\x03")
+
+    def wait(self, timeout: float = 120) -> str:
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        os.close(self.master)
+        return self.received.decode(errors="replace")
+
+
+def test_ctrl_c_on_a_terminal_then_sigterm_then_sigkill_then_resume_is_exact(tmp_path, tiny_model, alpaca_file, reference):
+    """save_strategy: no (the default). Ctrl-C typed on a real terminal at a random step: the bar redrew in place,
+    the checkpoint of the last finished step is written on the way out and progress.json says how the run ended.
+    The same command resumes exactly there; SIGTERM at a later random step does the same. Then with a save every
+    step, SIGKILLed in a later epoch (packed rows: about 7 steps an epoch), then again to the end: the adapter and
+    every logged loss are the uninterrupted run's."""
+    from conftest import screen_of
+
+    rng = random.Random()
+    first, later = rng.randint(2, 6), rng.randint(2, 5)
+    print(f"Ctrl-C after step {first}, SIGTERM {later} steps after the resume")  # shown when the test fails
     config = write_config(tmp_path, tiny_model, alpaca_file, **EXACT)
     out = tmp_path / "out"
+    terminal = Terminal(config, *TWO)
+    wait_for_step(out, first, terminal.proc)
+    terminal.ctrl_c()
+    shown = terminal.wait()
+    assert terminal.proc.returncode == 130, shown[-3000:]
+    progress = json.loads((out / "progress.json").read_text())
+    stopped = progress["global_step"]
+    assert stopped >= first and progress["status"] == "interrupted" and progress["signal"] == "SIGINT"
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{stopped}"]
+    lines = screen_of(shown)
+    assert sum(line.startswith("training ") for line in lines) == 1, lines  # redrawn in place, not a line a refresh
+    assert shown.count("\r\x1b[2Ktraining ") >= stopped  # the bar moved
+    assert f"saved checkpoint {out / f'checkpoint-{stopped}'}" in lines, lines  # nothing ran into it
+    assert any(line.startswith("praisonai-accel: interrupted; checkpoint of the last finished step saved at")
+               for line in lines), lines
+    assert "death signal" not in shown and "Traceback" not in shown  # the libraries' shutdown noise: rank logs only
+    assert not _workers_of(config)
+    report = cli("report", str(out))
+    assert f"interrupted by SIGINT at step {stopped}; re-run the same command to resume from checkpoint-{stopped}" \
+        in report.stdout, report.stdout
+
     proc = start(config, *TWO)
-    wait_for_step(out, 4, proc)
+    wait_for_step(out, stopped + later, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    saved = ckpt.complete_checkpoints(out)
-    assert len(saved) == 1 and "stopped by SIGTERM" in stderr
+    assert proc.returncode == 143 and f"resumed from {out / f'checkpoint-{stopped}'} at step {stopped}" in stderr, \
+        stderr[-3000:]
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["status"] == "preempted" and progress["global_step"] >= stopped + later
+    assert ckpt.latest_complete(out).name == f"checkpoint-{progress['global_step']}" and "stopped by SIGTERM" in stderr
     assert not _workers_of(config)
 
     config = write_config(tmp_path, tiny_model, alpaca_file, save_steps=1, **EXACT)
     proc = start(config, *TWO)
-    wait_for_step(out, 10, proc)
+    wait_for_step(out, max(10, progress["global_step"] + 3), proc)  # in epoch 1 or later
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
     assert not workers_left(config)  # SIGKILL of the praisonai-accel launcher takes its workers down
     result = cli("train", str(config), *TWO)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stderr and "(epoch 1," in result.stderr
+    assert "resumed from" in result.stderr and re.search(r"\(epoch [1-9]\d*,", result.stderr), result.stderr[-3000:]
     assert_same_run(out, reference)
+    assert json.loads((out / "progress.json").read_text())["status"] == "finished"
 
 
 def test_crash_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path, tiny_model, alpaca_file, reference):
@@ -108,11 +189,13 @@ def test_crash_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_pa
     assert_same_run(out, reference)
 
 
-def test_sigterm_on_a_single_process_exits_143_with_a_checkpoint(tmp_path, tiny_model, alpaca_file):
+def test_slurms_sigusr1_on_a_single_process_exits_143_with_a_checkpoint(tmp_path, tiny_model, alpaca_file):
+    """SLURM's warning before a preemption (sbatch --signal=USR1@60) reaches praisonai-accel, which stops the run as
+    SIGTERM does (SIGTERM itself: the 2-process tests)."""
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=100000)
     proc = start(config)
     wait_for_step(tmp_path / "out", 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-2000:]
     assert len(ckpt.complete_checkpoints(tmp_path / "out")) == 1 and "stopped by SIGTERM" in stderr

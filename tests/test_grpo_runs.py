@@ -107,7 +107,11 @@ def test_the_reward_rises_on_2_processes_under_fsdp_and_evaluation_rolls_out(tmp
     assert len(evals) == 2 and evals[-1]["eval_reward"] > evals[0]["eval_reward"]  # held-out prompts, rolled out
     assert all("eval_completions/mean_length" in m for m in evals)
     report = cli("report", str(out))
-    assert report.returncode == 0 and f"reward (first -> last)  {rewards[0]:.4f} -> {rewards[-1]:.4f}" in report.stdout
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in report.stdout.splitlines()}
+    assert report.returncode == 0 and rows["reward (first -> last)"] == f"{rewards[0]:.4f} -> {rewards[-1]:.4f}", report.stdout
+    lengths = [m["completions/mean_length"] for m in _steps(out)]  # the method's other headline metrics, after it
+    assert rows["rewards/letters/mean (first -> last)"].startswith(f"{_steps(out)[0]['rewards/letters/mean']:.4f} -> ")
+    assert rows["completions/mean_length (first -> last)"] == f"{lengths[0]:.4f} -> {lengths[-1]:.4f}"
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])

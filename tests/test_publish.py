@@ -102,6 +102,7 @@ def test_a_login_token_is_used_and_a_rejected_push_and_failed_ollama_create_exit
     adapter = load_adapter(tmp_path / "out" / "lora_model")
     assert adapter and (tmp_path / "out" / "checkpoint-3" / "COMPLETE").exists()
     assert TOKEN not in result.stdout + result.stderr and files_containing(tmp_path / "out", TOKEN) == []
+    assert json.loads((tmp_path / "out" / "progress.json").read_text())["exit_code"] == 4  # report says so
 
 
 def test_no_token_or_a_public_repo_for_a_private_push_is_refused_before_launch(tmp_path, tiny_model, alpaca_file):

@@ -53,6 +53,8 @@ def test_a_rank_stuck_inside_a_step_is_named_and_the_job_ends(tmp_path, tiny_mod
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith("error: rank 1: no step finished in") and "stuck in forward (sitecustomize.py:" in errors[0]
+    progress = json.loads((tmp_path / "out" / "progress.json").read_text())
+    assert (progress["status"], progress["exit_code"]) == ("failed", 124)  # report reads how it ended
     assert "called from" in errors[0] and "rank-1.log" in errors[0]
     assert "most recent call first" in (tmp_path / "out" / "logs" / "rank-1.log").read_text()
     assert not workers_left(config)

@@ -55,11 +55,19 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 WORKER_EXIT_CODES = (2, 3, 4, 124, 130, 143)
 
 
+CLEAR_LINE = "\r\x1b[2K"  # logs.CLEAR_LINE: a piece ending in "\r" after it is the line a terminal redraws in place
+_PIECES = re.compile(r"[^\r\n]*(?:\r\n|[\r\n])")
+
+
 class LauncherOutput:
-    """Relays the launcher's stderr without torchrun's failure block; remembers whether a worker said 'error:'."""
+    """Relays the launcher's stderr without torchrun's failure block; remembers whether a worker said 'error:'.
+
+    Pieces end in a newline (a line) or a carriage return (rank 0's progress bar, redrawn in place): the last bar is
+    kept and drawn again below any line another process writes over it, so nothing runs into it."""
 
     def __init__(self, sink):
         self.sink = sink
+        self.bar = ""  # the progress bar on screen, if any
         self.state = "relay"  # relay | traceback | report (ChildFailedError's ===== block)
         self.rules_seen = 0
         self.worker_error = False
@@ -120,18 +128,43 @@ class LauncherOutput:
                   if f[1] in WORKER_EXIT_CODES]
         return chosen[0][1] if chosen else None
 
-    def feed(self, line: str) -> None:
+    def feed(self, piece: str) -> None:
+        if piece.endswith("\r") and not piece.endswith("\r\n"):
+            self.bar = piece.removeprefix("\x1b[2K") if piece[:-1].removeprefix("\x1b[2K") else ""
+            self.sink.write(piece)
+            self.sink.flush()
+            return
+        line = piece.removeprefix("\x1b[2K")
         if self._dropped(line):
             return
         self.worker_error = self.worker_error or line.startswith("error: ")
-        self.sink.write(line)
+        self.sink.write(f"{CLEAR_LINE}{line}{CLEAR_LINE}{self.bar}" if self.bar else piece)
         self.sink.flush()
+
+    def feed_stream(self, fd: int) -> None:
+        """Everything the launcher writes to `fd` until it closes, a piece as soon as it ends."""
+        import codecs
+
+        decoder, pending = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
+        while chunk := os.read(fd, 65536):
+            pending += decoder.decode(chunk)
+            end = 0
+            for match in _PIECES.finditer(pending):
+                self.feed(match.group())
+                end = match.end()
+            pending = pending[end:]
+        pending += decoder.decode(b"", final=True)
+        if pending:
+            self.feed(pending + "\n")
+        if self.bar:  # rank 0 died with its bar on screen: what we say next goes below it, not into it
+            self.sink.write("\n")
+            self.bar = ""
 
 
 def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
     """Run the launcher in its own process group and take the whole group down with us.
 
-    Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers);
+    Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers), SIGUSR1 as SIGTERM;
     if this process is killed outright, the launcher gets SIGKILL from the kernel, and each
     worker in turn dies with its launcher. A multi-process launcher's stderr is relayed without
     torchrun's failure block (unless --verbose): a failing worker prints one line naming its log.
@@ -140,21 +173,26 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
     relay = "accelerate.commands.launch" in command and full_env.get(VERBOSE_ENV) != "1"
     if relay and sys.stderr.isatty():
         full_env[TTY_ENV] = "1"  # the workers' progress bar is for a terminal, though it reaches it through a pipe
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+        if columns > 0:  # the bar's width (0: a terminal that never said)
+            full_env.setdefault("COLUMNS", str(columns))
     proc = subprocess.Popen(list(command), env=full_env, start_new_session=True, preexec_fn=_kill_with_parent,
-                            stderr=subprocess.PIPE if relay else None, text=relay, errors="replace" if relay else None)
+                            stderr=subprocess.PIPE if relay else None)
 
     def forward(signum, _frame):
+        # SLURM's warning before a preemption (--signal=USR1@N) reaches us; torchrun's agent would die of it, so
+        # the group gets a SIGTERM: the workers save their last finished step and exit 143.
         try:
-            os.killpg(proc.pid, signum)
+            os.killpg(proc.pid, signal.SIGTERM if signum == getattr(signal, "SIGUSR1", None) else signum)
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    forwarded = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded}
     output = LauncherOutput(sys.stderr) if relay else None
     try:
         if output is not None:
-            for line in proc.stderr:
-                output.feed(line)
+            output.feed_stream(proc.stderr.fileno())
         code = proc.wait()
     finally:
         for sig, handler in previous.items():

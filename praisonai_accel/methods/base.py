@@ -24,6 +24,7 @@ log = logging.getLogger("praisonai_accel")
 class TrainingMethod:
     name: str = ""
     unit: str = ""  # what the loss is a mean over, in words: "target tokens", "pairs", "examples"
+    headline_metrics: tuple[str, ...] = ()  # logged metrics shown beside the loss (console, report, loss.png); patterns
     metric_names: tuple[str, ...] = ()  # the metric sums forward returns; reduce_metrics makes the logged values
     # sequence_parallel_size > 1: `forward` then gets each rank's slice of the rows (sequence_parallel.shard_batch:
     # labels already shifted on the whole row, position ids the row's) and `loss_module` must sum that slice's loss.

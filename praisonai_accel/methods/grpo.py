@@ -40,6 +40,7 @@ def rollout_metric_names(names) -> tuple[str, ...]:
 
 class GRPO(TrainingMethod):
     name = "grpo"
+    headline_metrics = ("reward", "rewards/*/mean", "completions/mean_length")
     supports_sequence_parallel = False
 
     def __init__(self, config):

@@ -105,6 +105,8 @@ class PreferenceLoss(ReferenceModel, CausalLMLoss):
 class PreferenceMethod(TrainingMethod):
     """The training method the recipe drives for `method: dpo | orpo | kto` (methods/base.py)."""
 
+    headline_metrics = ("rewards/accuracies", "rewards/margins")  # KTO logs no accuracy: its margin
+
     def __init__(self, config):
         super().__init__(config)
         self.name = config.method

@@ -10,6 +10,7 @@ from .base import TrainingMethod, log
 class SFT(TrainingMethod):
     name = "sft"
     unit = "target tokens"
+    headline_metrics = ()  # the loss says it all
     supports_sequence_parallel = True
 
     processor = None  # a vision-language model's processor: its rows carry images (data/vision_rows.py)

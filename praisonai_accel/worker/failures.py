@@ -49,10 +49,23 @@ def first_to_report(output_dir: Path) -> bool:
 
 
 class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint was saved at `checkpoint`."""
+    """A stop signal arrived (SIGTERM, or a scheduler's warning such as SLURM's SIGUSR1); the checkpoint of the last
+    finished step was saved at `checkpoint`."""
 
-    def __init__(self, checkpoint: Path):
-        super().__init__(f"stopped by SIGTERM; checkpoint saved at {checkpoint}")
+    status = "preempted"  # progress.json: what a SLURM requeue script looks for
+
+    def __init__(self, checkpoint: Path, signal_name: str = "SIGTERM"):
+        super().__init__(f"stopped by {signal_name}; checkpoint of the last finished step saved at {checkpoint}")
+        self.checkpoint = checkpoint
+
+
+class Interrupted(Preempted):
+    """Ctrl-C (SIGINT): stopped the same way, told as an interrupt."""
+
+    status = "interrupted"
+
+    def __init__(self, checkpoint: Path, signal_name: str = "SIGINT"):
+        Exception.__init__(self, f"interrupted; checkpoint of the last finished step saved at {checkpoint}")
         self.checkpoint = checkpoint
 
 

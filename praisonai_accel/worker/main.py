@@ -69,7 +69,7 @@ def return_freed_memory_promptly() -> None:
 def _exit_codes():
     from ..methods.rewards import RewardError
     from .preflight import PreflightError
-    from .failures import DiskFull, Preempted
+    from .failures import DiskFull, Interrupted, Preempted
 
     # (error class, exit code, who prints its line, close the process group without waiting)
     # "local rank 0": every rank hits the same bad input, say it once per machine; "rank 0": once per job;
@@ -79,16 +79,21 @@ def _exit_codes():
         ((ConfigError, DataError, HandoffFailed), BAD_INPUT_EXIT_CODE, "local rank 0", True),
         (RewardError, REWARD_FAILED_EXIT_CODE, "first", True),
         (DiskFull, FAILED_EXIT_CODE, "rank 0", True),
-        (KeyboardInterrupt, INTERRUPTED_EXIT_CODE, "rank 0", False),
+        (KeyboardInterrupt, INTERRUPTED_EXIT_CODE, "rank 0", False),  # Ctrl-C before training (setup)
+        (Interrupted, INTERRUPTED_EXIT_CODE, "rank 0", True),  # Ctrl-C in training: the last step is saved
         (Preempted, PREEMPTED_EXIT_CODE, "rank 0", True),
     ]
 
 
-def _message(exc: BaseException) -> str:
+def _message(exc: BaseException, config) -> str:
+    from .checkpoint import latest_complete
     from .failures import Preempted
 
-    if isinstance(exc, KeyboardInterrupt):
-        return "praisonai-accel: interrupted; re-run the same command to resume from the last checkpoint"
+    if isinstance(exc, KeyboardInterrupt):  # before training began: only an earlier attempt's checkpoint is there
+        latest = latest_complete(config.output_path(), warn=False)
+        if latest is None:
+            return "praisonai-accel: interrupted before training began; nothing to resume, a re-run starts from step 0"
+        return f"praisonai-accel: interrupted before training began; re-run the same command to resume from {latest}"
     if isinstance(exc, Preempted):
         return f"praisonai-accel: {exc}; re-run the same command to resume"
     return f"error: {exc}"
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = publish_after_training(config, publisher, Path(summary["final_model_dir"])) if env.rank == 0 else []
     for problem in problems:
         print(f"error: {problem} (the trained model is safe in {summary['final_model_dir']})", file=sys.stderr)
+    if problems:
+        _record_end(config, "finished", PUBLISH_FAILED_EXIT_CODE, replaces=("finished",))
     return PUBLISH_FAILED_EXIT_CODE if problems else 0
 
 
@@ -145,7 +152,9 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
             else:
                 speaks = (env.local_rank if speaker == "local rank 0" else env.rank) == 0
             if speaks:
-                print(_message(exc), file=sys.stderr)
+                print(_message(exc, config), file=sys.stderr)
+            if env.rank == 0:
+                _record_end(config, "interrupted" if code == INTERRUPTED_EXIT_CODE else "failed", code)
             if close:
                 _close_process_group(wait_for_others=False)
             return code
@@ -157,8 +166,19 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
     if not any(marker in str(exc) for marker in PEER_GONE) and first_to_report(config.output_path()):
         where = f" (full log: {log_path})" if log_path else ""
         print(f"error: rank {env.rank}: {explain(exc)}{where}", file=sys.stderr)
+    if env.rank == 0:
+        _record_end(config, "failed", FAILED_EXIT_CODE)
     _close_process_group(wait_for_others=False)
     return FAILED_EXIT_CODE
+
+
+def _record_end(config, status: str, code: int, replaces: tuple[str, ...] = ("running",)) -> None:
+    from .outputs import record_end
+
+    try:
+        record_end(config.output_path(), status, code, replaces)
+    except OSError:  # the output_dir itself may be what failed
+        pass
 
 
 def _hub_publisher(config, env: DistEnv):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -12,11 +13,32 @@ from pathlib import Path
 from typing import Callable
 
 from ..distributed import TTY_ENV
+from ..logs import end_status_line, start_status_line
 
 log = logging.getLogger("praisonai_accel")
-_NOT_SHOWN = ("step", "time", "tokens", "positions", "targets", "examples", "model_flops")
 TRACKED = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_second", "step_seconds", "padding_fraction",
            "model_tflops_per_second")
+
+
+def headline_names(patterns, keys) -> list[str]:
+    """The metrics a method declares as its headline (methods' `headline_metrics`, shell-style patterns such as
+    rewards/*/mean), in the order declared, among `keys`."""
+    keys = [k for k in keys if not k.startswith("eval_")]
+    names: list[str] = []
+    for pattern in patterns:
+        names += [k for k in sorted(keys) if fnmatch.fnmatchcase(k, pattern) and k not in names]
+    return names
+
+
+def short_name(name: str) -> str:
+    """rewards/accuracies -> accuracies, rewards/correct/mean -> correct, completions/mean_length -> mean_length."""
+    return name.removeprefix("rewards/").removeprefix("completions/").removesuffix("/mean")
+
+
+def _number(value) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -52,7 +74,8 @@ class Window:
         # a training method's metrics, as it logs them from their sums (methods/base.py)
         self.reduce_metrics = reduce_metrics or (lambda sums, units: {k: v / max(units, 1) for k, v in sums.items()})
         self.steps = self.targets = self.tokens = self.positions = self.examples = self.units = 0
-        self.loss_sum = self.flops = 0.0
+        self.loss_sum = self.flops = self.grad_norm_sum = 0.0
+        self.grad_norms = 0  # steps that reported a norm
         self.metric_sums: dict[str, float] = {}
         self.started = time.perf_counter()
 
@@ -65,10 +88,14 @@ class Window:
         self.examples += step.examples
         self.flops += step.flops
         self.units += step.targets if step.units is None else step.units
+        if step.grad_norm is not None:
+            self.grad_norm_sum += step.grad_norm
+            self.grad_norms += 1
         for name, value in (step.metric_sums or {}).items():
             self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
 
-    def record(self, state, learning_rate: float, grad_norm: float | None, batches_per_epoch: int) -> dict:
+    def record(self, state, learning_rate: float, batches_per_epoch: int) -> dict:
+        """Loss, the method's metrics and grad_norm are means over the window's steps, like each other."""
         elapsed = time.perf_counter() - self.started
         return {
             "step": state.global_step,
@@ -76,7 +103,7 @@ class Window:
             "loss": self.loss_sum / max(self.units, 1),
             **(self.reduce_metrics(self.metric_sums, self.units) if self.metric_sums else {}),
             "learning_rate": learning_rate,
-            "grad_norm": grad_norm,
+            "grad_norm": self.grad_norm_sum / self.grad_norms if self.grad_norms else None,
             "tokens_per_second": self.tokens / elapsed if elapsed > 0 else None,
             "model_tflops_per_second": self.flops / elapsed / 1e12 if elapsed > 0 and self.flops else None,
             "step_seconds": elapsed / max(self.steps, 1),
@@ -94,21 +121,28 @@ class MetricsLogger:
     """Does nothing on ranks other than 0, so callers need no `if is_main_process`.
 
     Every record goes to metrics.jsonl and to the experiment trackers (`tracker_log`, Accelerate's
-    accelerator.log). On a terminal the console shows a progress bar with loss, tokens/s and ETA;
-    piped, it gets one plain line per logging step.
+    accelerator.log). The console gets short lines: loss, the method's headline metrics (`headline`, patterns),
+    grad_norm, learning rate and tokens/s. On a terminal a progress bar redraws in place below them and moves
+    every optimizer step (`advance`); piped, there is one plain line per logging step.
     """
 
     def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, append: bool = False,
-                 tracker_log: Callable[[dict, int], None] | None = None):
+                 tracker_log: Callable[[dict, int], None] | None = None, headline=()):
         self.path = Path(path)
         self.total_steps = total_steps
         self.enabled = enabled
         self.start_step = start_step
         self.append = append
         self.tracker_log = tracker_log
+        self.headline = tuple(headline)
+        self.first: dict | None = None  # this attempt's first and last training records, and its last evaluation
+        self.last: dict | None = None
+        self.last_eval: dict | None = None
         self._file = None
-        self._progress = None
-        self._task = None
+        self._bar = None
+        self._status = ""
+        self._step = start_step
+        self._started = time.perf_counter()
 
     def __enter__(self) -> "MetricsLogger":
         if not self.enabled:
@@ -116,48 +150,82 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a" if self.append else "w")
         if sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1":
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(
-                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
-                TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=Console(stderr=True, force_terminal=True),
-                transient=False,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total_steps, completed=self.start_step, status="")
+            self._bar = start_status_line(sys.stderr)
+            self._draw()
         return self
+
+    def advance(self, step: int) -> None:
+        """An optimizer step finished: the bar moves, whether or not the step logs."""
+        self._step = step
+        if self.enabled and self._bar is not None:
+            self._draw()
+
+    def _draw(self) -> None:
+        done, total = self._step, max(self.total_steps, 1)
+        counter = f" {done}/{self.total_steps}"
+        rate = (done - self.start_step) / max(time.perf_counter() - self._started, 1e-9)
+        eta = f" eta {_duration((total - done) / rate)}" if done > self.start_step and rate > 0 else ""
+        tail = counter + eta + (f" | {self._status}" if self._status else "")
+        room = self._bar.width() - len("training ") - len(tail)
+        cells = max(10, min(40, room))
+        filled = round(cells * done / total)
+        self._bar.show(f"training {'#' * filled}{'-' * (cells - filled)}{tail}")
+
+    def console_line(self, record: dict) -> str:
+        """loss, the headline metrics, grad_norm, learning rate, tokens/s: a short line whatever the method logs."""
+        names = headline_names(self.headline, record)
+        parts = [f"loss {record['loss']:.4f}"] + [f"{short_name(n)} {_number(record[n])}" for n in names
+                                                   if record.get(n) is not None]
+        if record.get("grad_norm") is not None:
+            parts.append(f"grad_norm {record['grad_norm']:.3g}")
+        if record.get("learning_rate") is not None and not names:  # room for the method's own instead
+            parts.append(f"lr {record['learning_rate']:.2e}")
+        if record.get("tokens_per_second"):
+            parts.append(f"{record['tokens_per_second']:,.0f} tok/s")
+        return " | ".join(parts)
 
     def log(self, record: dict) -> None:
         """A training step record; also moves the progress bar."""
-        if self.enabled and self._progress is not None:
-            speed = record.get("tokens_per_second")
-            status = f"loss {record['loss']:.4f}" + (f"  {speed:,.0f} tok/s" if speed else "")
-            self._progress.update(self._task, completed=record["step"], status=status)
-        self._write(record, show=self._progress is None)
+        if not self.enabled:
+            return
+        self.first = self.first or record
+        self.last = record
+        line = self.console_line(record)
+        self._write(record)
+        log.info("step %d/%d | %s", record["step"], self.total_steps, line)  # above the bar, on a terminal
+        if self._bar is not None:
+            self._status = line
+            self.advance(record["step"])
 
     def log_event(self, record: dict) -> None:
         """An eval result or a checkpoint."""
-        self._write(record, show=True)
-
-    def _write(self, record: dict, show: bool) -> None:
         if not self.enabled:
             return
+        self._write(record)
+        if "eval_loss" in record:
+            self.last_eval = record
+            names = ["eval_loss"] + [f"eval_{n}" for n in headline_names(self.headline, [k[5:] for k in record
+                                                                                         if k.startswith("eval_")])]
+            line = " | ".join(f"{n} {_number(record[n])}" for n in names if record.get(n) is not None)
+            log.info("step %d/%d | %s", record["step"], self.total_steps, line)
+
+    def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.tracker_log is not None:
             values = {k: v for k, v in record.items() if (k in TRACKED or "/" in k) and v is not None}  # + a method's own
             if values:
                 self.tracker_log(values, record["step"])
-        if show:
-            line = f"step {record['step']}/{self.total_steps} " + " ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                for k, v in record.items() if k not in _NOT_SHOWN and v is not None
-            )
-            (self._progress.console.print if self._progress is not None else log.info)(line)
 
     def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        if self._bar is not None:
+            end_status_line()
+            self._bar = None
         if self._file is not None:
             self._file.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

@@ -63,13 +63,57 @@ def peak_gpu_memory_mib() -> float | None:
 
 
 def write_progress(output_dir: Path, status: str, global_step: int, total_steps: int, num_processes: int,
-                   final_model_dir: Path) -> None:
-    """output_dir/progress.json: what `report` reads of a run in progress or interrupted (rank 0 calls this)."""
+                   final_model_dir: Path, headline=(), **ended) -> None:
+    """output_dir/progress.json: what `report` reads of a run in progress or ended (rank 0 calls this). `status`:
+    running, finished, interrupted (Ctrl-C), preempted (SIGTERM / SIGUSR1) or failed; `ended` adds how (signal,
+    exit_code)."""
     import time
 
     write_json_atomic({"status": status, "global_step": global_step, "total_steps": total_steps,
-                       "num_processes": num_processes, "updated": time.time(), "final_model_dir": str(final_model_dir)},
-                      output_dir / "progress.json")
+                       "num_processes": num_processes, "updated": time.time(), "final_model_dir": str(final_model_dir),
+                       "headline_metrics": list(headline), **ended}, output_dir / "progress.json")
+
+
+def record_end(output_dir: Path, status: str, exit_code: int, replaces: tuple[str, ...] = ("running",)) -> None:
+    """How a run that stopped outside the training loop ended (an error, Ctrl-C during setup, a failed push after
+    training), into progress.json; a status other than `replaces` (what the loop wrote on its way out) is kept."""
+    import time
+
+    path = Path(output_dir) / "progress.json"
+    try:
+        progress = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # never started training: nothing to say it was running
+    if progress.get("status") not in replaces:
+        return
+    progress.update(status=status, exit_code=exit_code, updated=time.time())
+    write_json_atomic(progress, path)
+
+
+def end_summary(summary: dict, metrics, adapter: bool, resumed_from: Path | None) -> list[str]:
+    """The few lines a run ends with: time, loss and the headline metrics first -> last, evaluation, best
+    checkpoint, where the model is. `metrics`: the run's MetricsLogger (this attempt's first and last records)."""
+    from .metrics import headline_names, short_name
+
+    seconds = summary.get("train_seconds") or 0
+    minutes, secs = divmod(int(seconds), 60)
+    resumed = f", resumed from {resumed_from.name}" if resumed_from else ""
+    lines = [f"done: {summary['global_step']} steps in {minutes}m {secs:02d}s on {summary['num_processes']} "
+             f"process(es){resumed}"]
+    first, last = metrics.first, metrics.last
+    if first and last:
+        changes = [f"loss {first['loss']:.4f} -> {last['loss']:.4f}"]
+        for name in headline_names(metrics.headline, last):
+            if first.get(name) is not None and last.get(name) is not None:
+                changes.append(f"{short_name(name)} {first[name]:.4f} -> {last[name]:.4f}")
+        lines.append(" | ".join(changes))
+    evaluated = metrics.last_eval
+    if evaluated:
+        best = (f" | best checkpoint: {summary['best_checkpoint']} ({summary['best_metric']:.4f})"
+                if summary.get("best_checkpoint") and summary.get("best_metric") is not None else "")
+        lines.append(f"eval_loss {evaluated['eval_loss']:.4f} at step {evaluated['step']}{best}")
+    lines.append(f"saved {'adapter' if adapter else 'model'} to {summary['final_model_dir']}")
+    return lines
 
 
 def trim_metrics_after(output_dir: Path, step: int) -> None:

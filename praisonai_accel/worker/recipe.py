@@ -14,9 +14,7 @@ import logging
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -37,7 +35,7 @@ from . import checkpoint as ckpt
 from . import outputs, resume
 from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, start_trackers
 from .evaluation import evaluate, record_evaluation
-from .failures import DiskFull, Preempted, is_disk_full
+from .failures import DiskFull, is_disk_full
 from .flops import flop_counts
 from .inputs import load_training_data, packing_for, shares_cache, train_loader
 from .long_context import apply_to_model, data_parallel_size, prepare, start_groups
@@ -46,6 +44,7 @@ from .optim import build_optimizer, build_scheduler, plan_steps
 from .preflight import run_preflight
 from .sharded_state import parameter_bytes, reshard
 from .step import micro_batch_groups, optimizer_step, repeated_groups
+from .stop import StopSignals
 from .watchdog import Watchdog
 
 log = logging.getLogger("praisonai_accel")
@@ -59,7 +58,8 @@ class Recipe:
         self.output_dir = config.output_path()
         self.verbose = os.environ.get(VERBOSE_ENV) == "1"
         self.method = method_for(config)
-        self.stop_requested = False  # SIGTERM arrived: checkpoint and stop at the next micro-batch
+        self.headline = tuple(self.method.headline_metrics)  # what the console, report and loss.png show beside loss
+        self.stop = StopSignals()  # a stop signal arrived: checkpoint and stop at the next micro-batch
         # set up by setup()
         self.accelerator = None
         self.backend = None  # model.Backend: transformers or unsloth
@@ -152,8 +152,7 @@ class Recipe:
         self.state = resume.fresh_state(config, self.data_parallel, self.model_commit)
         if self.resume_from is not None:
             self.state, self._rng_to_reapply = resume.load_checkpoint(self, self.resume_from)
-        if threading.current_thread() is threading.main_thread():  # Ray Train runs the loop in another thread
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.stop.install()
         start_trackers(accelerator, config, self.verbose)
         world, accum, per_device = self.data_parallel, config.gradient_accumulation_steps, config.per_device_train_batch_size
         log.info("steps: %d (%d per epoch) | effective batch: %d x %d x %d = %d%s", self.total_steps, self.steps_per_epoch,
@@ -172,9 +171,6 @@ class Recipe:
                 f"{', ...' if len(missing) > 3 else ''}); use use_gradient_checkpointing: true (non-reentrant, "
                 "transformers) or leave those modules out of lora_target_modules")
 
-    def _on_sigterm(self, _signum, _frame) -> None:
-        self.stop_requested = True
-
     # ------------------------------------------------------------ train
 
     def train(self) -> dict:
@@ -185,7 +181,7 @@ class Recipe:
         tracker_log = (lambda values, step: accelerator.log(values, step=step)) if config.trackers else None
         metrics = self.metrics = MetricsLogger(self.output_dir / "metrics.jsonl", self.total_steps,
                                                enabled=accelerator.is_main_process, start_step=state.global_step,
-                                               append=True, tracker_log=tracker_log)
+                                               append=True, tracker_log=tracker_log, headline=self.headline)
         self._write_progress("running")
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         started = time.perf_counter()
@@ -203,7 +199,7 @@ class Recipe:
                     group = self.method.rollout(accelerator, self.model, group, state.global_step, self.total_steps,
                                                 state.epoch + state.batches_in_epoch / max(batches_per_epoch, 1))
                     step = optimizer_step(accelerator, self.model, self.optimizer, self.scheduler, self.method, group,
-                                          config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop_requested,
+                                          config.max_grad_norm, self.flop_counts, self._stop_agreed, self.stop.requested,
                                           self.sp)
                     watchdog.progress()
                     if step is None:  # SIGTERM between micro-batches: the step was abandoned, save where the last ended
@@ -215,12 +211,13 @@ class Recipe:
                     state.samples_in_epoch += consumed
                     state.samples_seen += consumed
                     window.add(step)
+                    metrics.advance(state.global_step)
                     end_of_epoch = state.batches_in_epoch >= batches_per_epoch
                     if end_of_epoch:
                         state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
                     last = state.global_step >= self.total_steps
                     if state.global_step % config.logging_steps == 0 or last:
-                        record = window.record(state, self.scheduler.get_last_lr()[0], step.grad_norm, batches_per_epoch)
+                        record = window.record(state, self.scheduler.get_last_lr()[0], batches_per_epoch)
                         metrics.log(record)
                         state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
                         state.last_loss = record["loss"]
@@ -228,7 +225,7 @@ class Recipe:
                     if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
                         stop_early = self._evaluate_and_record(end_of_epoch)
                         watchdog.progress()
-                    if step.stop:
+                    if step.stop and not last:  # on the last step: finish, the final save is the checkpoint
                         self._preempted()
                     if self._saves_at(state.global_step, end_of_epoch):
                         self.save_checkpoint()
@@ -263,7 +260,7 @@ class Recipe:
         """Whether any rank has been asked to stop: every rank must leave the step at the same micro-batch."""
         import torch
 
-        flag = torch.tensor([float(self.stop_requested)], device=self.accelerator.device)
+        flag = torch.tensor([float(self.stop.requested)], device=self.accelerator.device)
         return bool(self.accelerator.reduce(flag, "sum")[0] > 0)
 
     def _evaluate_and_record(self, end_of_epoch: bool) -> bool:
@@ -325,14 +322,16 @@ class Recipe:
         return path
 
     def _preempted(self) -> None:
-        saved = self.save_checkpoint()
-        self._write_progress("preempted")
-        raise Preempted(saved)
+        """Every rank agreed to stop after the last finished step: its checkpoint, whatever save_strategy says."""
+        stopped = self.stop.stopped(self.save_checkpoint())
+        self._write_progress(stopped.status, signal=self.stop.name)
+        raise stopped
 
-    def _write_progress(self, status: str) -> None:
+    def _write_progress(self, status: str, **ended) -> None:
         if self.accelerator.is_main_process:
             outputs.write_progress(self.output_dir, status, self.state.global_step, self.total_steps,
-                                   self.accelerator.num_processes, self.config.final_model_path())
+                                   self.accelerator.num_processes, self.config.final_model_path(),
+                                   headline=self.headline, **ended)
 
     def _finish(self, started: float, stopped_early: bool) -> dict:
         from accelerate.utils import gather_object
@@ -376,8 +375,9 @@ class Recipe:
         })
         if accelerator.is_main_process:
             outputs.write_summary(summary, self.output_dir, config.plot_loss)
-            self._write_progress("finished")
-            log.info("saved %s to %s", "adapter" if config.uses_lora else "model", final_dir)
+            self._write_progress("finished", exit_code=0)
+            for line in outputs.end_summary(summary, self.metrics, config.uses_lora, self.resume_from):
+                log.info(line)
             if not summary["weights_in_sync"]:
                 log.warning("ranks finished with different weights: %s", digests)
         accelerator.wait_for_everyone()

@@ -61,6 +61,13 @@ class Watchdog:
             print(f"error: rank 0: no step finished in {idle:.0f} s (hang_timeout {self.timeout:g}); waiting for "
                   f"the other ranks in {describe(stack)}, and no rank is stuck elsewhere{where}", file=sys.stderr,
                   flush=True)
+        if self.log_path is not None:  # output_dir/logs/rank-N.log: progress.json says how the run ended
+            try:
+                from .outputs import record_end
+
+                record_end(self.log_path.parent.parent, "failed", HANG_EXIT_CODE)
+            except Exception:  # the line above is what matters; leave now whatever happens
+                pass
         os._exit(HANG_EXIT_CODE)
 
     def _dump_stacks(self) -> bool:

@@ -1,0 +1,334 @@
+"""praisonai-accel serve: real engines (transformers serve, llama.cpp's server) behind the openai client, answering
+as `praisonai-accel generate` does; the merge cache; the stop that leaves no process; one line per bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import cpu_env
+from praisonai_accel.cli import app
+
+PROMPT = "reverse the words: ada bob cy"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def make_run(root: Path, tiny_model: Path) -> Path:
+    """A LoRA run as training leaves it (output_dir/train_summary.json naming its final adapter), the adapter's A
+    and B both random so the merge changes the answers."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                  target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    run, final = root / "demo-run", root / "demo-run" / "lora_model"
+    peft_model.save_pretrained(final)
+    AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(final)
+    (run / "train_summary.json").write_text(json.dumps({"final_model_dir": str(final)}))
+    return run
+
+
+def generated(path: Path, max_new_tokens: int) -> str:
+    result = CliRunner().invoke(app, ["generate", str(path), "-p", PROMPT, "--max-new-tokens", str(max_new_tokens)])
+    assert result.exit_code == 0, result.output
+    return result.stdout.strip().splitlines()[-1]
+
+
+class Served:
+    """`praisonai-accel serve ...` in a process of its own, its stdout and stderr read as they come."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.process = subprocess.Popen([sys.executable, "-m", "praisonai_accel", "serve", *args], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, l=lines: [l.append(x) for x in s], daemon=True).start()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not any("Ctrl-C stops it" in line for line in self.out):
+            assert self.process.poll() is None, "".join(self.err[-30:])
+            assert time.monotonic() < deadline, "".join(self.err[-30:])
+            time.sleep(0.3)
+
+    def descendants(self) -> list:
+        import psutil
+
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+    def stop(self, sig: int) -> int:
+        self.process.send_signal(sig)
+        return self.process.wait(timeout=90)
+
+
+def ask(base_url: str, model: str, max_tokens: int, api_key: str = "none") -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content.strip()
+
+
+def assert_gone(processes: list) -> None:
+    deadline = time.monotonic() + 10
+    alive = processes
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != "zombie"]
+        time.sleep(0.2)
+    assert not alive, f"left running: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def test_transformers_serves_a_lora_run_as_generate_answers_merged_once(tmp_path, tiny_model):
+    """The run's adapter merged into the cache (never into the run), served under the run's name with its chat
+    template; the openai client's greedy answer is generate's; Ctrl-C leaves no process; the second start reuses the
+    merge, and SIGTERM stops it as cleanly."""
+    pytest.importorskip("psutil")
+    pytest.importorskip("openai")
+    from praisonai_accel.serve.target import engine_installed
+
+    if not engine_installed("transformers"):
+        pytest.skip("transformers' serving extra is not installed (pip install 'praisonai-accel[serve]')")
+    run = make_run(tmp_path, tiny_model)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    expected = generated(run, 12)
+    env = cpu_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    port = free_port()
+
+    first = Served([str(run), "--port", str(port)], env)
+    try:
+        first.wait_ready()
+        assert f"serving 'demo-run' (transformers) at http://127.0.0.1:{port}/v1" in "".join(first.out)
+        assert ask(f"http://127.0.0.1:{port}/v1", "demo-run", 12) == expected
+        engine = first.descendants()
+        assert any("transformers" in " ".join(p.cmdline()) for p in engine)
+    finally:
+        code = first.stop(signal.SIGINT)
+    assert code == 0, "".join(first.err[-20:])
+    assert_gone(engine)
+    merged = [line for line in first.err if "merged the adapter in" in line]
+    assert merged, "".join(first.err)
+    merged_dir = Path(merged[0].split(" in ", 1)[1].strip())
+    assert merged_dir.is_relative_to(tmp_path / "cache") and (merged_dir / "model.safetensors").is_file()
+    stamp = (merged_dir / "model.safetensors").stat().st_mtime_ns
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written into the run
+    assert not any((tmp_path / "cache" / "praisonai-accel" / "serve" / "views").iterdir())  # the view is gone
+
+    second = Served([str(run), "--port", str(port), "--name", "reverser"], env)
+    try:
+        second.wait_ready()
+        assert any(f"reusing the merge in {merged_dir}" in line for line in second.err), "".join(second.err)
+        assert ask(f"http://127.0.0.1:{port}/v1", "reverser", 12) == expected
+        engine = second.descendants()
+    finally:
+        code = second.stop(signal.SIGTERM)
+    assert code == 0, "".join(second.err[-20:])
+    assert_gone(engine)
+    assert (merged_dir / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp, a GGUF
+
+@pytest.fixture(scope="module")
+def f16_export(tmp_path_factory):
+    """A tiny Llama with the real Phi-3 tokenizer (the converter recognises its pre-tokenizer), exported to f16 by
+    `praisonai-accel export gguf`, as tests/test_gguf.py does."""
+    from praisonai_accel.serve.target import engine_installed
+
+    if not engine_installed("llama-cpp"):
+        pytest.skip("llama-cpp-python's server is not installed (pip install 'praisonai-accel[gguf,serve]')")
+    from praisonai_accel.publish.gguf_llamacpp import GGUFError, find_converter
+    from test_gguf import make_phi3_model
+
+    try:
+        converter = find_converter(fetch=False)
+    except GGUFError as exc:
+        pytest.skip(f"llama.cpp's converter is not here ({exc}); set LLAMA_CPP_CONVERTER (.ci/run does)")
+    root = tmp_path_factory.mktemp("serve-gguf")
+    model = make_phi3_model(root / "phi3-tiny", "llama")
+    result = CliRunner().invoke(app, ["export", "gguf", str(model), "-q", "f16", "--out", str(root / "gguf")],
+                                env={"LLAMA_CPP_CONVERTER": str(converter)})
+    assert result.exit_code == 0, result.output
+    return model, root / "gguf" / "phi3-tiny-F16.gguf"
+
+
+def test_llama_cpp_serves_a_gguf_export_as_generate_answers(tmp_path, f16_export):
+    pytest.importorskip("psutil")
+    model, gguf = f16_export
+    expected = generated(model, 8)
+    port = free_port()
+    served = Served([str(gguf), "--port", str(port), "--name", "phi3-tiny"], cpu_env())
+    try:
+        served.wait_ready()
+        assert f"serving 'phi3-tiny' (llama-cpp) at http://127.0.0.1:{port}/v1" in "".join(served.out)
+        assert ask(f"http://127.0.0.1:{port}/v1", "phi3-tiny", 8) == expected
+        engine = served.descendants()
+    finally:
+        code = served.stop(signal.SIGINT)
+    assert code == 0, "".join(served.err[-20:])
+    assert_gone(engine)
+
+
+def test_an_engine_that_dies_at_start_up_is_one_line_after_its_last_lines(tmp_path, f16_export):
+    """A file with a GGUF header and nothing behind it: llama.cpp's server exits while loading it."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    result = subprocess.run([sys.executable, "-m", "praisonai_accel", "serve", str(broken), "--port", str(free_port())],
+                            capture_output=True, text=True, timeout=120, env=cpu_env())
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the engine (llama_cpp.server) exited with code") and "during start-up" in last
+    assert "llama_cpp.server's last lines:" in result.stderr
+    assert "Traceback" not in last
+
+
+# ---------------------------------------------------------------------------------------------- bad input, one line
+
+def serve_line(*args: str, env: dict | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["serve", *args], env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, lines[-1] if lines else ""
+
+
+def test_a_target_that_is_no_model_is_one_line(tmp_path):
+    assert serve_line(str(tmp_path / "missing")) == (2, f"error: {tmp_path / 'missing'}: no such file or directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, line = serve_line(str(empty))
+    assert code == 2 and line.startswith(f"error: {empty}: holds no adapter_config.json or config.json")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    assert serve_line(str(notes)) == (2, f"error: {notes}: is neither a .gguf file nor a model directory")
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    assert serve_line(str(fake)) == (2, f"error: {fake}: is not a GGUF file (no GGUF header)")
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.json").write_text("{}")
+    code, line = serve_line(str(unfinished))
+    assert code == 2 and line == f"error: {unfinished}: holds no weights (*.safetensors); is the run still training?"
+    code, line = serve_line(str(unfinished), "--engine", "llama-cpp")
+    assert code == 2 and line.startswith(f"error: --engine llama-cpp: {unfinished} holds no .gguf file; export one")
+
+
+def test_an_engine_not_installed_names_its_extra(tiny_model, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("vllm", "uvicorn", "llama_cpp") else real(name, *a))
+    assert serve_line(str(tiny_model), "--engine", "vllm") == (
+        2, "error: --engine vllm: not installed (no vllm); pip install vllm (Linux with a GPU)")
+    assert serve_line(str(tiny_model)) == (
+        2, "error: --engine transformers: not installed (no uvicorn); pip install 'praisonai-accel[serve]'")
+    gguf = tiny_model.parent / "header-only.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    code, line = serve_line(str(gguf))
+    assert code == 2 and line.startswith("error: --engine llama-cpp: not installed (no llama_cpp") \
+        and line.endswith("pip install 'praisonai-accel[gguf,serve]'")
+
+
+def test_a_port_in_use_and_an_api_key_transformers_cannot_check_are_one_line_each(tiny_model):
+    from praisonai_accel.serve.target import engine_installed
+
+    if not engine_installed("transformers"):
+        pytest.skip("transformers' serving extra is not installed")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert serve_line(str(tiny_model), "--port", str(port)) == (
+            2, f"error: --port {port}: already in use on 127.0.0.1; stop what listens there or pass another --port")
+    code, line = serve_line(str(tiny_model), "--api-key", "s3cret-value")
+    assert code == 2 and line.startswith("error: --api-key: transformers serve has no authentication")
+    assert "s3cret-value" not in line
+
+
+def test_another_host_warns_that_the_endpoint_has_no_authentication(tiny_model):
+    with socket.socket() as listener:  # the port is taken, so nothing starts: the warning comes first
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", str(tiny_model), "--host", "0.0.0.0", "--port", str(port)])
+    assert result.exit_code == 2
+    assert "warning: --host 0.0.0.0: the endpoint is reachable from the network and has no authentication" \
+        in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+
+def test_the_merge_cache_key_follows_the_adapter_and_the_view_is_removed_alone(tmp_path, tiny_model, monkeypatch):
+    from praisonai_accel.serve.model_view import adapter_hash, make_view, remove_view
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run = make_run(tmp_path, tiny_model)
+    adapter = run / "lora_model"
+    key = adapter_hash(adapter)
+    assert adapter_hash(adapter) == key
+    (adapter / ".praisonai-accel.json").write_text('{"written_by": "praisonai-accel", "version": "x"}')
+    assert adapter_hash(adapter) == key  # our marker's version is not the adapter
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
+    assert adapter_hash(adapter) != key
+
+    folder, view = make_view(tiny_model, "org/tiny")
+    assert view == folder / "org" / "tiny" and (view / "model.safetensors").resolve() == tiny_model / "model.safetensors"
+    from transformers import AutoTokenizer
+
+    generation = json.loads((view / "generation_config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in generation["eos_token_id"]  # the template's turn end
+    remove_view(folder)
+    assert not folder.exists() and (tiny_model / "model.safetensors").is_file()
+
+
+def test_auto_picks_the_most_precise_gguf_export_of_a_run(tmp_path, monkeypatch):
+    from praisonai_accel.serve import target as target_module
+
+    monkeypatch.setattr(target_module, "require_engine", lambda engine: None)
+    run = tmp_path / "my-run"
+    (run / "gguf").mkdir(parents=True)
+    (run / "train_summary.json").write_text("{}")
+    for method in ("Q4_K_M", "Q8_0", "F16"):
+        (run / "gguf" / f"lora_model-{method}.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    chosen = target_module.resolve_target(run)
+    assert (chosen.engine, chosen.name, chosen.gguf.name) == ("llama-cpp", "my-run", "lora_model-F16.gguf")
+    assert target_module.resolve_target(run, quantization="q4_k_m").gguf.name == "lora_model-Q4_K_M.gguf"
+    assert target_module.resolve_target(run / "gguf" / "lora_model-Q8_0.gguf").name == "my-run"
+    with pytest.raises(target_module.ServeError, match="holds no such GGUF export .have: f16, q4_k_m, q8_0"):
+        target_module.resolve_target(run, quantization="q2_k")
+    with pytest.raises(target_module.ServeError, match="--name 'a b'"):
+        target_module.resolve_target(run, name="a b")
+
+
+def test_the_examples_name_the_key_by_its_variable():
+    from praisonai_accel.commands.serve import usage_lines
+
+    curl, python = usage_lines("http://127.0.0.1:8000/v1", "demo-run", api_key=True)
+    assert '-H "Authorization: Bearer $OPENAI_API_KEY"' in curl and 'os.environ["OPENAI_API_KEY"]' in python
+    curl, python = usage_lines("http://127.0.0.1:8000/v1", "demo-run", api_key=False)
+    assert "Authorization" not in curl and 'api_key="none"' in python and '"model": "demo-run"' in curl

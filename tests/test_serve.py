@@ -93,6 +93,26 @@ def ask(base_url: str, model: str, max_tokens: int, api_key: str = "none") -> st
     return reply.choices[0].message.content.strip()
 
 
+def lm_eval_api_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("lm_eval", "tenacity", "aiohttp"))
+
+
+def lm_eval_answer(base_url: str, name: str, max_gen_toks: int) -> str:
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.api_models import JsonChatStr
+
+    from praisonai_accel.serve.lm_eval_args import endpoint_model
+
+    endpoint = endpoint_model(base_url, name, max_gen_toks=max_gen_toks)
+    model = get_model(endpoint.model).create_from_arg_string(endpoint.model_args_string())
+    request = Instance("generate_until", {}, (JsonChatStr(json.dumps([{"role": "user", "content": PROMPT}])),
+                                              {"until": ["\n\n"], "max_gen_toks": max_gen_toks, "do_sample": False}), 0)
+    return model.generate_until([request])[0].strip()
+
+
 def assert_gone(processes: list) -> None:
     deadline = time.monotonic() + 10
     alive = processes
@@ -142,6 +162,8 @@ def test_transformers_serves_a_lora_run_as_generate_answers_merged_once(tmp_path
         second.wait_ready()
         assert any(f"reusing the merge in {merged_dir}" in line for line in second.err), "".join(second.err)
         assert ask(f"http://127.0.0.1:{port}/v1", "reverser", 12) == expected
+        if lm_eval_api_installed():  # lm-eval's own chat-completions model, on the args endpoint_model makes
+            assert lm_eval_answer(f"http://127.0.0.1:{port}/v1", "reverser", 12) == expected
         engine = second.descendants()
     finally:
         code = second.stop(signal.SIGTERM)
@@ -332,3 +354,25 @@ def test_the_examples_name_the_key_by_its_variable():
     assert '-H "Authorization: Bearer $OPENAI_API_KEY"' in curl and 'os.environ["OPENAI_API_KEY"]' in python
     curl, python = usage_lines("http://127.0.0.1:8000/v1", "demo-run", api_key=False)
     assert "Authorization" not in curl and 'api_key="none"' in python and '"model": "demo-run"' in curl
+
+
+def test_an_endpoint_as_lm_eval_model_args():
+    from praisonai_accel.serve.lm_eval_args import endpoint_model
+    from praisonai_accel.serve.target import ServeError
+
+    chat = endpoint_model("http://127.0.0.1:8000/v1/", "demo-run")
+    assert (chat.model, chat.apply_chat_template) == ("local-chat-completions", True)
+    assert chat.model_args_string() == ("model=demo-run,base_url=http://127.0.0.1:8000/v1/chat/completions,"
+                                        "num_concurrent=1,max_retries=3,tokenized_requests=False")
+    plain = endpoint_model("http://127.0.0.1:8000/v1", "demo-run", chat=False, tokenizer="/runs/demo/lora_model")
+    assert plain.model == "local-completions" and not plain.apply_chat_template
+    assert plain.model_args["base_url"] == "http://127.0.0.1:8000/v1/completions"
+    assert (plain.model_args["tokenizer_backend"], plain.model_args["tokenizer"]) == ("huggingface", "/runs/demo/lora_model")
+    with pytest.raises(ServeError, match="give the /v1 base URL"):
+        endpoint_model("http://127.0.0.1:8000", "demo-run")
+    with pytest.raises(ServeError, match="tokenizer=/a,b holds ','"):
+        endpoint_model("http://127.0.0.1:8000/v1", "m", chat=False, tokenizer="/a,b").model_args_string()
+    if lm_eval_api_installed():  # lm-eval itself parses the string back into its model's arguments
+        from lm_eval.utils import simple_parse_args_string
+
+        assert simple_parse_args_string(chat.model_args_string()) == chat.model_args

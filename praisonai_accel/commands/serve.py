@@ -49,7 +49,8 @@ def serve_command(
     from ..output_dirs import read_marker
     from ..serve.engines import check_api_key, plan_launch
     from ..serve.model_view import remove_view
-    from ..serve.supervise import Engine, Stopped, check_port, stop_on_signals, url_host
+    from ..serve.supervise import (Engine, Stopped, check_port, ignore_signals, restore_signals, stop_on_signals,
+                                   url_host)
     from ..serve.target import resolve_target
 
     show_progress_lines()
@@ -64,7 +65,7 @@ def serve_command(
                    "(pass --api-key with --engine llama-cpp or vllm)", err=True)
     check_port(host, port)
     base_url = f"http://{url_host(host)}:{port}/v1"
-    stop_on_signals()
+    previous_handlers = stop_on_signals()
     launch = None
     server = None
     try:
@@ -83,8 +84,10 @@ def serve_command(
     except (KeyboardInterrupt, Stopped):
         typer.echo("stopping ...", err=True)
     finally:
+        ignore_signals()
         if server is not None:
             server.stop()
         if launch is not None and launch.view_folder is not None:
             remove_view(launch.view_folder)
+        restore_signals(previous_handlers)
     typer.echo("stopped", err=True)

@@ -51,9 +51,21 @@ def llama_cpp_launch(target: Target, host: str, port: int, api_key: str | None, 
     wrote into the file's metadata (tokenizer.chat_template, eos), which the server's default chat format reads."""
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(target.gguf), "--model_alias", target.name,
                "--host", host, "--port", str(port)]
+    if gguf_chat_template(target.gguf):  # the file's own template, rather than a built-in format guessed from it
+        command += ["--chat_format", "chat_template.default"]
     if n_ctx:
         command += ["--n_ctx", str(n_ctx)]
     return Launch(command, "/v1/models", env={"API_KEY": api_key} if api_key else {})
+
+
+def gguf_chat_template(path: Path) -> bool:
+    """Whether the GGUF's metadata holds a chat template (gguf-py, from the gguf extra; False where it is absent)."""
+    try:
+        from gguf import GGUFReader
+
+        return "tokenizer.chat_template" in GGUFReader(str(path)).fields
+    except Exception:  # gguf-py missing, or a file llama.cpp will refuse itself, in its own words
+        return False
 
 
 def vllm_launch(target: Target, host: str, port: int, api_key: str | None) -> Launch:

@@ -99,13 +99,20 @@ def make_view(model_dir: Path, name: str, trust_remote_code: bool = False) -> tu
     root.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="serve-", dir=root))
     view = folder / name
-    view.mkdir(parents=True)
-    for entry in Path(model_dir).iterdir():
-        if entry.name not in ("generation_config.json", MARKER):
-            (view / entry.name).symlink_to(entry.resolve())
-    generation = generation_config_of(model_dir, trust_remote_code)
-    generation.eos_token_id = stop_ids(model_dir, trust_remote_code)
-    generation.save_pretrained(str(view))
+    try:
+        view.mkdir(parents=True)
+        for entry in Path(model_dir).iterdir():
+            if entry.name not in ("generation_config.json", MARKER):
+                (view / entry.name).symlink_to(entry.resolve())
+        generation = generation_config_of(model_dir, trust_remote_code)
+        generation.eos_token_id = stop_ids(model_dir, trust_remote_code)
+        generation.save_pretrained(str(view))
+    except (OSError, ValueError) as exc:
+        remove_view(folder)
+        raise ServeError(f"{model_dir}: cannot read its tokenizer or generation config: {exc}") from None
+    except BaseException:
+        remove_view(folder)
+        raise
     return folder, view
 
 

@@ -62,7 +62,8 @@ class Engine:
         env = {**os.environ, **self.launch.env, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(self.launch.command, cwd=self.launch.cwd, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        errors="replace", start_new_session=True)
+                                        errors="replace", start_new_session=True,
+                                        preexec_fn=_terminate_with_parent if sys.platform == "linux" else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -125,6 +126,14 @@ class Engine:
             self._reader.join(timeout=5)
 
 
+def _terminate_with_parent() -> None:
+    """In the engine, before it runs: SIGTERM it if serve itself dies without stopping it (SIGKILL, a crash)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -137,10 +146,24 @@ class Stopped(Exception):
     """SIGTERM (or SIGHUP) arrived: stop as Ctrl-C does."""
 
 
-def stop_on_signals() -> None:
-    """SIGTERM and SIGHUP end serve like Ctrl-C: through the engine's stop, not around it."""
+def ignore_signals() -> None:
+    """While the engine is being stopped: a second Ctrl-C must not cut the stop short (it escalates on its own)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_on_signals() -> dict:
+    """SIGTERM and SIGHUP end serve like Ctrl-C: through the engine's stop, not around it. Returns the handlers
+    they replace, for restore_signals."""
     def raise_stopped(signum, frame):
         raise Stopped(signal.Signals(signum).name)
 
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, raise_stopped)
+    return previous
+
+
+def restore_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -78,12 +78,11 @@ def stop_ids(model_dir: Path, trust_remote_code: bool = False) -> list[int]:
 
     from transformers import AutoTokenizer
 
-    from ..inference import is_processor, stop_token_ids
+    from ..inference import is_processor, stop_token_ids, takes_images
 
     generation = generation_config_of(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    if getattr(tokenizer, "chat_template", None) is None and any(
-            (model_dir / f).is_file() for f in ("chat_template.json", "chat_template.jinja", "processor_config.json")):
+    if takes_images(model_dir, trust_remote_code)[0]:  # as load_for_inference decides: the processor's template
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

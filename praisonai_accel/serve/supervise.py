@@ -160,7 +160,8 @@ def stop_on_signals() -> dict:
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, raise_stopped)
+        if previous[sig] is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored, as it asked
+            signal.signal(sig, raise_stopped)
     return previous
 
 

@@ -341,6 +341,10 @@ def test_auto_picks_the_most_precise_gguf_export_of_a_run(tmp_path, monkeypatch)
     assert (chosen.engine, chosen.name, chosen.gguf.name) == ("llama-cpp", "my-run", "lora_model-F16.gguf")
     assert target_module.resolve_target(run, quantization="q4_k_m").gguf.name == "lora_model-Q4_K_M.gguf"
     assert target_module.resolve_target(run / "gguf" / "lora_model-Q8_0.gguf").name == "my-run"
+    exported = tmp_path / "other-run"  # `export gguf` writes <model>-gguf/ beside the model
+    (exported / "lora_model-gguf").mkdir(parents=True)
+    (exported / "lora_model-gguf" / "lora_model-Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert target_module.resolve_target(exported).gguf.name == "lora_model-Q4_K_M.gguf"
     with pytest.raises(target_module.ServeError, match="holds no such GGUF export .have: f16, q4_k_m, q8_0"):
         target_module.resolve_target(run, quantization="q2_k")
     with pytest.raises(target_module.ServeError, match="--name 'a b'"):

@@ -68,9 +68,10 @@ def gguf_method(file: Path) -> str | None:
 
 
 def gguf_exports(directory: Path) -> list[Path]:
-    """The .gguf files of a run (output_dir/gguf/) or of an export folder, best quantization first."""
-    files = [f for folder in (directory / "gguf", directory) if folder.is_dir()
-             for f in sorted(folder.glob("*.gguf")) if f.is_file()]
+    """The .gguf files of a run (output_dir/gguf/ from save_gguf, <model>-gguf/ from `export gguf`) or of an export
+    folder, best quantization first."""
+    folders = [directory / "gguf", directory, *sorted(directory.glob("*-gguf"))]
+    files = [f for folder in folders if folder.is_dir() for f in sorted(folder.glob("*.gguf")) if f.is_file()]
     rank = {m: i for i, m in enumerate(GGUF_PREFERENCE)}
     return sorted(files, key=lambda f: rank.get(gguf_method(f) or "", len(rank)))
 

@@ -227,6 +227,31 @@ def test_an_engine_that_dies_at_start_up_is_one_line_after_its_last_lines(tmp_pa
     assert "Traceback" not in last
 
 
+def test_the_engines_last_lines_and_one_line_when_it_exits_before_answering(tiny_model, tmp_path, monkeypatch):
+    """Supervision alone, with a stand-in engine that writes a traceback-like tail and exits 3 before its health
+    check answers: its last lines, then one error line, exit non-zero, its view removed."""
+    from praisonai_accel.serve import engines, model_view
+    from praisonai_accel.serve.target import engine_installed
+
+    if not engine_installed("transformers"):
+        pytest.skip("transformers' serving extra is not installed")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    script = "import sys; print('loading the model'); print('RuntimeError: out of memory', file=sys.stderr); sys.exit(3)"
+
+    def stand_in(target, host, port, trust_remote_code=False):
+        folder, _ = model_view.make_view(target.model_dir, target.name)
+        return engines.Launch([sys.executable, "-c", script], "/health", cwd=folder, view_folder=folder,
+                              label="stand-in")
+
+    monkeypatch.setattr(engines, "transformers_launch", stand_in)
+    result = CliRunner().invoke(app, ["serve", str(tiny_model), "--port", str(free_port())])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == "error: the engine (stand-in) exited with code 3 during start-up: RuntimeError: out of memory"
+    assert "  | loading the model" in lines and "stand-in's last lines:" in lines
+    assert not any((tmp_path / "cache" / "praisonai-accel" / "serve" / "views").iterdir())
+
+
 # ---------------------------------------------------------------------------------------------- bad input, one line
 
 def serve_line(*args: str, env: dict | None = None) -> tuple[int, str]:

@@ -21,6 +21,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     view_folder: Path | None = None  # ours, removed when the server stops
     note: str = ""  # a line about what was prepared (the merge, its reuse)
+    label: str = "the engine"  # how lines name it: transformers serve, llama_cpp.server, vllm
 
 
 def check_api_key(engine: str, api_key: str | None) -> None:
@@ -43,7 +44,7 @@ def transformers_launch(target: Target, host: str, port: int, trust_remote_code:
                "--port", str(port), "--device", "auto", "--dtype", "auto", "--log-level", "warning"]
     if trust_remote_code:
         command.append("--trust-remote-code")
-    return Launch(command, "/health", cwd=folder, view_folder=folder, note=note)
+    return Launch(command, "/health", cwd=folder, view_folder=folder, note=note, label="transformers serve")
 
 
 def llama_cpp_launch(target: Target, host: str, port: int, api_key: str | None, n_ctx: int | None = None) -> Launch:
@@ -55,7 +56,7 @@ def llama_cpp_launch(target: Target, host: str, port: int, api_key: str | None, 
         command += ["--chat_format", "chat_template.default"]
     if n_ctx:
         command += ["--n_ctx", str(n_ctx)]
-    return Launch(command, "/v1/models", env={"API_KEY": api_key} if api_key else {})
+    return Launch(command, "/v1/models", env={"API_KEY": api_key} if api_key else {}, label="llama_cpp.server")
 
 
 def gguf_chat_template(path: Path) -> bool:
@@ -83,7 +84,8 @@ def vllm_launch(target: Target, host: str, port: int, api_key: str | None) -> La
                     "--lora-modules", f"{target.name}={target.model_dir}"]
     else:
         command += ["--model", str(target.model_dir), "--served-model-name", target.name]
-    return Launch(command, "/health", env={"VLLM_API_KEY": api_key} if api_key else {}, view_folder=folder)
+    return Launch(command, "/health", env={"VLLM_API_KEY": api_key} if api_key else {}, view_folder=folder,
+                  label="vllm")
 
 
 def plan_launch(target: Target, host: str, port: int, api_key: str | None = None,

@@ -90,9 +90,9 @@ class Engine:
         lines = [line for line in self.tail if line.strip()]
         shown = "\n".join(f"  | {line}" for line in lines)
         if shown:
-            sys.stderr.write(f"{self.launch.command[2]}'s last lines:\n{shown}\n")
+            sys.stderr.write(f"{self.launch.label}'s last lines:\n{shown}\n")
         last = lines[-1].strip() if lines else "no output"
-        return f"the engine ({self.launch.command[2]}) exited with code {self.process.returncode} {when}: {last}"
+        return f"the engine ({self.launch.label}) exited with code {self.process.returncode} {when}: {last}"
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -405,3 +405,28 @@ def test_an_endpoint_as_lm_eval_model_args():
         from lm_eval.utils import simple_parse_args_string
 
         assert simple_parse_args_string(chat.model_args_string()) == chat.model_args
+
+
+def test_vllm_gets_the_base_with_the_adapter_and_the_key_outside_its_command_line(tmp_path, tiny_model, monkeypatch):
+    """vLLM is not installable here (no GPU): its command line, as vLLM's documented flags, is what is checked."""
+    from praisonai_accel.serve.engines import plan_launch
+    from praisonai_accel.serve.model_view import remove_view
+    from praisonai_accel.serve.target import Target
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    adapter = make_run(tmp_path, tiny_model) / "lora_model"
+    launch = plan_launch(Target("vllm", "demo-run", model_dir=adapter), "127.0.0.1", 8000, api_key="s3cret")
+    try:
+        command = launch.command
+        assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        flag = {command[i]: command[i + 1] for i in range(3, len(command) - 1) if command[i].startswith("--")}
+        assert flag["--model"] == str(tiny_model) and "--enable-lora" in command
+        assert flag["--lora-modules"] == f"demo-run={adapter}" and flag["--tokenizer"] == str(adapter)
+        generation = json.loads((Path(flag["--generation-config"]) / "generation_config.json").read_text())
+        assert generation["eos_token_id"]  # the adapter's template's end of turn, read through its base's config
+        assert "s3cret" not in " ".join(command) and launch.env == {"VLLM_API_KEY": "s3cret"}
+    finally:
+        remove_view(launch.view_folder)
+    full = plan_launch(Target("vllm", "tiny", model_dir=tiny_model), "127.0.0.1", 8000)
+    remove_view(full.view_folder)
+    assert "--enable-lora" not in full.command and full.command[full.command.index("--served-model-name") + 1] == "tiny"

@@ -432,3 +432,24 @@ def test_vllm_gets_the_base_with_the_adapter_and_the_key_outside_its_command_lin
     full = plan_launch(Target("vllm", "tiny", model_dir=tiny_model), "127.0.0.1", 8000)
     remove_view(full.view_folder)
     assert "--enable-lora" not in full.command and full.command[full.command.index("--served-model-name") + 1] == "tiny"
+
+
+def test_the_view_stops_at_the_templates_end_of_turn_where_eos_is_another_token(tmp_path, monkeypatch):
+    """Phi-3's template ends a reply with <|end|>, its eos is <|endoftext|>: the served model must stop at both."""
+    from test_gguf import make_phi3_model
+    from transformers import AutoTokenizer
+
+    from praisonai_accel.serve.model_view import make_view, remove_view
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = make_phi3_model(tmp_path / "phi3-tiny", "llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    end, eos = tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.eos_token_id
+    assert end != eos
+    assert json.loads((model / "generation_config.json").read_text()).get("eos_token_id") in (eos, [eos])
+    folder, view = make_view(model, "phi3-tiny")
+    try:
+        assert set(json.loads((view / "generation_config.json").read_text())["eos_token_id"]) == {eos, end}
+        assert json.loads((model / "generation_config.json").read_text()).get("eos_token_id") in (eos, [eos])
+    finally:
+        remove_view(folder)

@@ -299,6 +299,12 @@ def test_an_engine_not_installed_names_its_extra(tiny_model, monkeypatch):
     code, line = serve_line(str(gguf))
     assert code == 2 and line.startswith("error: --engine llama-cpp: not installed (no llama_cpp") \
         and line.endswith("pip install 'praisonai-accel[gguf,serve]'")
+    run = tiny_model.parent / "run-with-exports"
+    (run / "gguf").mkdir(parents=True, exist_ok=True)
+    (run / "gguf" / "model-F16.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    code, line = serve_line(str(run))
+    assert code == 2 and line.endswith(f"pip install 'praisonai-accel[gguf,serve]'; or serve {run}'s model with "
+                                       "--engine transformers")
 
 
 def test_a_port_in_use_and_an_api_key_transformers_cannot_check_are_one_line_each(tiny_model):
@@ -374,6 +380,8 @@ def test_auto_picks_the_most_precise_gguf_export_of_a_run(tmp_path, monkeypatch)
     assert target_module.resolve_target(exported).gguf.name == "lora_model-Q4_K_M.gguf"
     with pytest.raises(target_module.ServeError, match="holds no such GGUF export .have: f16, q4_k_m, q8_0"):
         target_module.resolve_target(run, quantization="q2_k")
+    with pytest.raises(target_module.ServeError, match="--quantization picks one of a run's GGUF exports"):
+        target_module.resolve_target(run, engine="transformers", quantization="f16")
     with pytest.raises(target_module.ServeError, match="--name 'a b'"):
         target_module.resolve_target(run, name="a b")
 

@@ -107,6 +107,9 @@ def resolve_target(path: Path, engine: str = "auto", name: str | None = None, qu
     if not path.exists():
         raise ServeError(f"{path}: no such file or directory")
     name = check_name(name if name is not None else default_name(path))
+    if quantization and engine in ("transformers", "vllm"):
+        raise ServeError(f"--quantization picks one of a run's GGUF exports, which --engine llama-cpp serves, not "
+                         f"--engine {engine}")
     gguf = None
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -125,7 +128,12 @@ def resolve_target(path: Path, engine: str = "auto", name: str | None = None, qu
         if engine not in ("auto", "llama-cpp"):
             raise ServeError(f"--engine {engine}: {gguf.name} is a GGUF file, which --engine llama-cpp serves; serve "
                              "the run or model directory with this engine")
-        require_engine("llama-cpp")
+        try:
+            require_engine("llama-cpp")
+        except ServeError as exc:
+            if path.is_dir() and engine == "auto":  # the run's model itself can still be served
+                raise ServeError(f"{exc}; or serve {path}'s model with --engine transformers") from None
+            raise
         return Target("llama-cpp", name, gguf=gguf.resolve())
     if engine == "llama-cpp":
         raise ServeError(f"--engine llama-cpp: {path} holds no .gguf file; export one first "

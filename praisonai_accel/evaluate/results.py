@@ -1,0 +1,38 @@
+"""The results file of an eval: lm-eval's own results structure for the tuned model (and the base), plus which model,
+adapter, checkpoint step and configuration were scored. Default `<output_dir>/eval/<timestamp>.json`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..atomic import write_text_atomic
+
+EVAL_DIR = "eval"
+
+
+def default_path(output_dir: Path | None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return (Path(output_dir) if output_dir else Path.cwd()) / EVAL_DIR / f"{stamp}.json"
+
+
+def write_results(path: Path, target: dict, request: dict, scored: dict, table: list[dict]) -> Path:
+    payload = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **target,
+               "tasks": request["tasks"], "options": {k: v for k, v in request.items() if k not in ("target", "tasks")},
+               "comparison": table, **scored}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(path, json.dumps(payload, indent=2))
+
+
+def latest_eval(output_dir: Path) -> dict | None:
+    """The newest results file under output_dir/eval/, or None."""
+    files = sorted((Path(output_dir) / EVAL_DIR).glob("*.json"))
+    for path in reversed(files):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "comparison" in data:
+            return {**data, "path": str(path)}
+    return None

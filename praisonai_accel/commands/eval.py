@@ -52,7 +52,7 @@ def eval_command(
     manager, _ = build_tasks(names, include_path)  # every task checked before any model loads
     request = EvalRequest(resolved, names, str(include_path.resolve()) if include_path else None, limit, num_fewshot,
                           batch_size, apply_chat_template, log_samples, base)
-    scored = _score(request, processes, gpu_ids, cpu, manager)
+    scored = _score(request, processes, gpu_ids, cpu, manager)  # {"processes", "tuned", "base"?}
     table = rows(scored["tuned"], scored.get("base"))
     path = output or default_path(resolved.output_dir)
     write_results(path, resolved.description(), json.loads(request.to_json()), scored, [r.as_dict() for r in table])

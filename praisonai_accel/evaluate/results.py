@@ -36,3 +36,18 @@ def latest_eval(output_dir: Path) -> dict | None:
         if isinstance(data, dict) and "comparison" in data:
             return {**data, "path": str(path)}
     return None
+
+
+def eval_rows(output_dir: Path) -> list[tuple[str, str]]:
+    """The latest eval as `report` shows it: one row per task and metric, base -> tuned where both were scored."""
+    latest = latest_eval(output_dir)
+    if latest is None:
+        return []
+    out = [("eval", f"{latest['path']} (step {latest.get('checkpoint_step')}, {latest.get('created')})")]
+    for row in latest["comparison"]:
+        name = f"eval {row['task']}/{row['metric'].replace(',none', '')}"
+        if row.get("base") is None:
+            out.append((name, f"{row['tuned']:.4f}"))
+        else:
+            out.append((name, f"{row['base']:.4f} -> {row['tuned']:.4f} ({row['change']:+.4f} vs base)"))
+    return out

@@ -99,4 +99,4 @@ def score(request: EvalRequest, accelerator=None, manager=None, device=None) -> 
                 out["base"] = _simple_evaluate(lm, request, manager)
     if lm.rank != 0:
         return None
-    return {name: _portable(result, request.log_samples) for name, result in out.items()}
+    return {"processes": lm.world_size, **{name: _portable(result, request.log_samples) for name, result in out.items()}}

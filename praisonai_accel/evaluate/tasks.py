@@ -64,11 +64,9 @@ def build_tasks(names: list[str], include_path: Path | None):
         if name not in known and not manager.match_tasks([name]):
             where = f" or under {include_path}" if include_path else " (a local YAML task needs --include-path DIR)"
             raise ConfigError(f"--tasks: lm-eval knows no task '{name}'{where}")
-    from lm_eval.tasks import get_task_dict
-
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
-        return manager, get_task_dict(names, manager)
+        return manager, manager.load(names)
     except Exception as exc:  # the Hub unreachable (offline), a data file missing, a template that does not render
         raise ConfigError(f"--tasks {','.join(names)}: cannot build the task: {_why(exc)}") from None
 

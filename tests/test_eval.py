@@ -160,7 +160,8 @@ def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_proces
     out = tmp_path / "two.json"
     result = run([sys.executable, "-m", "praisonai_accel", "eval", str(setup["adapter"]), "--tasks",
                   "tiny_gen,tiny_gen_base,tiny_mc", "--include-path", str(setup["tasks"]), "--batch-size", str(BATCH),
-                  "--cpu", "--num-processes", "2", "--max-regression", "tiny_gen=0.1", "--output", str(out)],
+                  "--cpu", "--num-processes", "2", "--max-regression", "tiny_gen=0.1", "--output", str(out),
+                  "--log-samples"],
                  timeout=600, env=cpu_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "launching 2 process(es)" in result.stderr
@@ -169,6 +170,7 @@ def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_proces
         for task in ("tiny_gen", "tiny_gen_base", "tiny_mc"):
             assert _metrics(two[which], task) == pytest.approx(_metrics(ours[which], task)), (which, task)
     assert two["processes"] == 2 and ours["processes"] == 1
+    assert len(two["tuned"]["samples"]["tiny_mc"]) == 18 and "samples" not in ours["tuned"]  # --log-samples
     assert [(r["task"], r["metric"]) for r in two["comparison"]] == [(r["task"], r["metric"]) for r in ours["comparison"]]
     assert [r["change"] for r in two["comparison"]] == pytest.approx([r["change"] for r in ours["comparison"]])
 

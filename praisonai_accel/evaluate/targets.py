@@ -76,6 +76,8 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
     if output_dir is None and model_dir.parent.joinpath("train_summary.json").is_file():
         output_dir = model_dir.parent
         step = _summary(output_dir).get("global_step")
+    elif output_dir is None and model_dir.name == "adapter" and _CHECKPOINT.match(model_dir.parent.name):
+        output_dir, step = model_dir.parent.parent, int(_CHECKPOINT.match(model_dir.parent.name).group(1))
     facts = _marker(model_dir)
     if facts.get("trust_remote_code") and not trust_remote_code:
         raise ConfigError(f"TARGET {target}: was trained with trust_remote_code: true; pass --trust-remote-code to run "

@@ -146,6 +146,15 @@ def test_base_against_tuned_and_the_regression_gate(setup, one_process):
     gen, made = rows[("tiny_gen", "exact_match,none")], rows[("tiny_gen_base", "exact_match,none")]
     assert gen["change"] > 0.1 and made["change"] < -0.1
     assert gen["paired_n"] == GEN_DOCS and 0 <= made["paired_p"] < 1
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    # the base scored with the adapter disabled equals lm-eval's own hf model on the base alone
+    plain = simple_evaluate(model="hf", model_args=f"pretrained={setup['base']}", device="cpu", batch_size=BATCH,
+                            tasks=["tiny_gen", "tiny_gen_base", "tiny_mc"], log_samples=False,
+                            task_manager=TaskManager(include_path=str(setup["tasks"])))
+    for task in ("tiny_gen", "tiny_gen_base", "tiny_mc"):
+        assert _metrics(ours["base"], task) == _metrics(plain, task), task
     for column in ("base", "tuned", "change", "paired p"):
         assert column in result.stdout
     assert result.exit_code == 1, result.output
@@ -247,3 +256,29 @@ def test_report_shows_the_latest_eval(setup, one_process, tmp_path):
     assert "20300101-000000.json" in result.stdout and "0.1235" not in result.stdout
     line = next(line for line in result.stdout.splitlines() if line.startswith("eval tiny_gen/exact_match"))
     assert "-> 0.5000" in line and "vs base" in line
+
+
+def test_target_is_a_run_a_checkpoint_or_its_adapter(setup, tmp_path):
+    """What TARGET names, and the run and step the results file records for it."""
+    import shutil
+
+    from praisonai_accel.errors import ConfigError
+    from praisonai_accel.evaluate.targets import resolve_target
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(setup["adapter"], run_dir / "lora_model")
+    shutil.copytree(setup["adapter"], run_dir / "checkpoint-3" / "adapter")
+    (run_dir / "checkpoint-4").mkdir()  # a full fine-tune's checkpoint: no loadable model
+    (run_dir / "train_summary.json").write_text(json.dumps({"global_step": 5,
+                                                            "final_model_dir": str(run_dir / "lora_model")}))
+    final = resolve_target(str(run_dir))
+    assert (final.model, final.step, final.output_dir, final.base) == (
+        str(run_dir / "lora_model"), 5, str(run_dir), str(setup["base"]))
+    for name in ("checkpoint-3", "checkpoint-3/adapter"):
+        checkpoint = resolve_target(str(run_dir / name))
+        assert (checkpoint.model, checkpoint.step, checkpoint.output_dir) == (
+            str(run_dir / "checkpoint-3" / "adapter"), 3, str(run_dir)), name
+    with pytest.raises(ConfigError, match="holds no loadable model"):
+        resolve_target(str(run_dir / "checkpoint-4"))
+    plain = resolve_target(str(setup["base"]))
+    assert (plain.adapter, plain.step, plain.output_dir) == (False, None, None)

@@ -35,7 +35,7 @@ def eval_command(
     from ..evaluate.results import default_path, write_results
     from ..evaluate.score import EvalRequest
     from ..evaluate.targets import resolve_target
-    from ..evaluate.tasks import build_tasks, import_lm_eval, parse_task_names
+    from ..evaluate.tasks import build_tasks, check_include_path, import_lm_eval, parse_task_names
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
     names = parse_task_names(tasks)
@@ -44,8 +44,7 @@ def eval_command(
     base = base or bool(gates)
     processes, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
     import_lm_eval()
-    if include_path is not None and not include_path.is_dir():
-        fail(f"--include-path {include_path}: no such directory")
+    check_include_path(include_path)
     resolved = resolve_target(target, trust_remote_code)
     if base and not resolved.adapter:
         fail(f"--base: {target} is a full model, not an adapter on a base; score the base model as its own TARGET")

@@ -4,7 +4,7 @@ disabled for the base), and on rank 0 write what was scored to a JSON file the c
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .targets import EvalTarget
@@ -22,7 +22,6 @@ class EvalRequest:
     log_samples: bool = False
     base: bool = False
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -61,10 +60,7 @@ def per_item(samples: dict) -> dict:
     for task, rows in (samples or {}).items():
         for row in rows:
             for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in (
-                        "doc_id", "target", "doc_hash", "prompt_hash", "target_hash"):
-                    out.setdefault(task, {}).setdefault(key, {})[str(row["doc_id"])] = float(value)
-                elif isinstance(value, bool):
+                if isinstance(value, (int, float)) and key not in ("doc_id", "target"):  # a bool is a score too
                     out.setdefault(task, {}).setdefault(key, {})[str(row["doc_id"])] = float(value)
     return out
 

@@ -13,11 +13,9 @@ EXTRA_LINE = "lm-eval is not installed: pip install 'praisonai-accel[eval]'"
 
 def import_lm_eval():
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval
     except ImportError:
         raise ConfigError(EXTRA_LINE) from None
-    import lm_eval
-
     return lm_eval
 
 

@@ -14,7 +14,12 @@ EVAL_DIR = "eval"
 
 def default_path(output_dir: Path | None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return (Path(output_dir) if output_dir else Path.cwd()) / EVAL_DIR / f"{stamp}.json"
+    directory = (Path(output_dir) if output_dir else Path.cwd()) / EVAL_DIR
+    path, n = directory / f"{stamp}.json", 1
+    while path.exists():  # two evals in one second: neither replaces the other
+        n += 1
+        path = directory / f"{stamp}-{n}.json"
+    return path
 
 
 def write_results(path: Path, target: dict, request: dict, scored: dict, table: list[dict]) -> Path:

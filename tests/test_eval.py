@@ -282,3 +282,14 @@ def test_target_is_a_run_a_checkpoint_or_its_adapter(setup, tmp_path):
         resolve_target(str(run_dir / "checkpoint-4"))
     plain = resolve_target(str(setup["base"]))
     assert (plain.adapter, plain.step, plain.output_dir) == (False, None, None)
+
+
+def test_evals_in_one_second_keep_both_files_and_the_latest_is_the_last(tmp_path):
+    from praisonai_accel.evaluate.results import default_path, latest_eval
+
+    for index in range(3):
+        path = default_path(tmp_path)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"comparison": [], "index": index}))
+    assert len(list((tmp_path / "eval").glob("*.json"))) == 3
+    assert latest_eval(tmp_path)["index"] == 2

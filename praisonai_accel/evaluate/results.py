@@ -32,7 +32,11 @@ def write_results(path: Path, target: dict, request: dict, scored: dict, table: 
 
 def latest_eval(output_dir: Path) -> dict | None:
     """The newest results file under output_dir/eval/, or None."""
-    files = sorted((Path(output_dir) / EVAL_DIR).glob("*.json"))
+    def order(path: Path):
+        parts = path.stem.split("-")  # <date>-<time>[-<n>]
+        return parts[:2], int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 1
+
+    files = sorted((Path(output_dir) / EVAL_DIR).glob("*.json"), key=order)
     for path in reversed(files):
         try:
             data = json.loads(path.read_text())

@@ -9,6 +9,7 @@ from .commands.chat import chat_command, generate_command
 from .commands.config import config_app
 from .commands.demo import demo_command
 from .commands.env import env_command
+from .commands.eval import eval_command
 from .commands.export import export_app
 from .commands.k8s import k8s_command
 from .commands.merge import merge_command
@@ -38,6 +39,7 @@ app.command("demo")(one_line_errors(demo_command))
 app.command("merge")(one_line_errors(merge_command))
 app.command("chat")(one_line_errors(chat_command))
 app.command("generate")(one_line_errors(generate_command))
+app.command("eval")(one_line_errors(eval_command))
 app.command("serve")(one_line_errors(serve_command))
 app.add_typer(config_app, name="config")
 app.add_typer(publish_app, name="publish")

@@ -11,13 +11,15 @@ from ._common import fail
 
 def report_command(output_dir: Path = typer.Argument(..., help="a training output_dir")) -> None:
     """A table of the run and output_dir/loss.png, read from its files alone."""
+    from ..evaluate.results import eval_rows
     from ..report import read_run, write_loss_plot
 
     if not output_dir.is_dir():
         fail(f"{output_dir}: no such directory")
     run = read_run(output_dir)
-    width = max(len(name) for name, _ in run.rows())
-    for name, value in run.rows():
+    rows = run.rows() + eval_rows(output_dir)  # the latest `praisonai-accel eval` of this run, if any
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
         typer.echo(f"{name:<{width}}  {value}")
     plot = write_loss_plot(output_dir)
     typer.echo(f"{'plot':<{width}}  {plot if plot else 'no training steps logged yet'}")

@@ -1,0 +1,88 @@
+"""praisonai-accel eval: score a run's model (its adapter on its base), a checkpoint or a model on lm-eval tasks,
+against the base too with --base, on N ranks; a regression gate for CI."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ._common import fail
+
+
+def eval_command(
+    target: str = typer.Argument(..., help="a run's output_dir, a checkpoint-<step> directory, a model directory or a Hub id"),
+    tasks: str = typer.Option(..., "--tasks", help="lm-eval task names, comma-separated (its own, or YAML tasks under --include-path)"),
+    include_path: Optional[Path] = typer.Option(None, "--include-path", help="a directory of lm-eval YAML tasks"),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes", min=1, help="ranks that share the requests (GPUs, or CPU processes with --cpu)"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs: a count, 'all' or ids such as 0,1"),
+    cpu: bool = typer.Option(False, "--cpu", help="CPU processes (gloo), even where GPUs are visible"),
+    limit: Optional[float] = typer.Option(None, "--limit", help="at most K documents per task (a fraction below 1)"),
+    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", min=0),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="render prompts with the model's chat template (as the run trained, if it did)"),
+    log_samples: bool = typer.Option(False, "--log-samples", help="keep every document's prompt, output and score in the results file"),
+    output: Optional[Path] = typer.Option(None, "--output", help="the results JSON (default <output_dir>/eval/<timestamp>.json)"),
+    base: bool = typer.Option(False, "--base", help="score the base model too (the adapter disabled) and show the change"),
+    max_regression: Optional[List[str]] = typer.Option(None, "--max-regression", help="TASK=DELTA: exit 1 when TASK drops by more than DELTA against the base (implies --base); repeat for several"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+) -> None:
+    """Score a model on lm-eval tasks; with --base, base against tuned with the change and a paired test."""
+    from ..evaluate.compare import check_gate_tasks, parse_max_regression, regressions, render, rows
+    from ..evaluate.results import default_path, write_results
+    from ..evaluate.score import EvalRequest
+    from ..evaluate.targets import resolve_target
+    from ..evaluate.tasks import build_tasks, check_include_path, import_lm_eval, parse_task_names
+    from ..launcher.plan import count_cuda_gpus, resolve_processes
+
+    names = parse_task_names(tasks)
+    gates = parse_max_regression(max_regression or [])
+    check_gate_tasks(gates, names)
+    base = base or bool(gates)
+    processes, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
+    import_lm_eval()
+    check_include_path(include_path)
+    resolved = resolve_target(target, trust_remote_code)
+    if base and not resolved.adapter:
+        fail(f"--base: {target} is a full model, not an adapter on a base; score the base model as its own TARGET")
+    manager, _ = build_tasks(names, include_path)  # every task checked before any model loads
+    request = EvalRequest(resolved, names, str(include_path.resolve()) if include_path else None, limit, num_fewshot,
+                          batch_size, apply_chat_template, log_samples, base)
+    scored = _score(request, processes, gpu_ids, cpu, manager)  # {"processes", "tuned", "base"?}
+    table = rows(scored["tuned"], scored.get("base"))
+    path = output or default_path(resolved.output_dir)
+    write_results(path, resolved.description(), json.loads(request.to_json()), scored, [r.as_dict() for r in table])
+    render(table, f"{target}" + (" (base vs tuned)" if base else ""))
+    typer.echo(f"results: {path}", err=True)
+    failed = regressions(table, gates)
+    for line in failed:
+        typer.echo(f"regression: {line}", err=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _score(request, processes: int, gpu_ids, cpu: bool, manager) -> dict:
+    """In this process for one rank; otherwise N ranks launched as `train` launches its workers."""
+    if processes == 1:
+        from ..evaluate.score import score
+        from ..logs import show_progress_lines
+
+        show_progress_lines()
+        device = "cpu" if cpu else (f"cuda:{gpu_ids[0]}" if gpu_ids else None)
+        return score(request, manager=manager, device=device)
+    from ..launcher.eval_plan import plan_eval_launch
+    from ..launcher.local import launch
+
+    with tempfile.TemporaryDirectory(prefix="praisonai-accel-eval-") as work:
+        request_file, result_file = Path(work) / "request.json", Path(work) / "result.json"
+        request_file.write_text(request.to_json())
+        plan = plan_eval_launch(request_file, result_file, num_processes=processes, gpu_ids=gpu_ids, cpu=cpu,
+                                work_dir=Path(work))
+        typer.echo(f"launching {plan.num_processes} process(es)", err=True)
+        code = launch(plan)
+        if code != 0 or not result_file.is_file():
+            fail(f"the evaluation failed (exit code {code})", code=code or 1)
+        return json.loads(result_file.read_text())

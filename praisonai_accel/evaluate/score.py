@@ -1,0 +1,98 @@
+"""One rank's part of `praisonai-accel eval`: load the model once, score it with lm-eval (the adapter enabled, then
+disabled for the base), and on rank 0 write what was scored to a JSON file the command reads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .targets import EvalTarget
+
+
+@dataclass
+class EvalRequest:
+    target: EvalTarget
+    tasks: list[str]
+    include_path: str | None = None
+    limit: float | None = None
+    num_fewshot: int | None = None
+    batch_size: int = 8
+    apply_chat_template: bool = False
+    log_samples: bool = False
+    base: bool = False
+    seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EvalRequest":
+        raw = json.loads(text)
+        raw["target"] = EvalTarget(**raw["target"])
+        return cls(**raw)
+
+
+def load_model(target: EvalTarget, device=None):
+    import torch
+
+    from ..inference import load_for_inference
+
+    model, tokenizer = load_for_inference(Path(target.model) if Path(target.model).exists() else target.model,
+                                          device=str(device) if device is not None else None,
+                                          trust_remote_code=target.trust_remote_code)
+    torch.set_grad_enabled(False)
+    return model, getattr(tokenizer, "tokenizer", tokenizer)
+
+
+def _simple_evaluate(lm, request: EvalRequest, manager):
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager, num_fewshot=request.num_fewshot,
+                           batch_size=request.batch_size, limit=request.limit, log_samples=True,
+                           apply_chat_template=request.apply_chat_template, random_seed=request.seed,
+                           bootstrap_iters=100000)
+
+
+def per_item(samples: dict) -> dict:
+    """{task: {metric: {doc_id: value}}} from lm-eval's logged samples: what the paired test compares."""
+    out: dict = {}
+    for task, rows in (samples or {}).items():
+        for row in rows:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key not in ("doc_id", "target"):  # a bool is a score too
+                    out.setdefault(task, {}).setdefault(key, {})[str(row["doc_id"])] = float(value)
+    return out
+
+
+def _portable(result: dict, log_samples: bool) -> dict:
+    from lm_eval.utils import handle_non_serializable
+
+    kept = {k: v for k, v in result.items() if k != "samples" or log_samples}
+    kept["per_item"] = per_item(result.get("samples"))
+    return json.loads(json.dumps(kept, default=handle_non_serializable))
+
+
+def score(request: EvalRequest, accelerator=None, manager=None, device=None) -> dict | None:
+    """{"tuned": lm-eval's results, "base": ... (with --base)} on rank 0; None on the other ranks."""
+    import logging
+
+    import torch
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its warnings about a model passed in already loaded
+
+    from .lm import run_lm
+    from .tasks import task_manager
+
+    manager = manager or task_manager(Path(request.include_path) if request.include_path else None)
+    model, tokenizer = load_model(request.target, accelerator.device if accelerator is not None else device)
+    lm = run_lm(model, tokenizer, request.batch_size, accelerator)
+    out = {}
+    with torch.inference_mode():
+        out["tuned"] = _simple_evaluate(lm, request, manager)
+        if request.base:
+            with model.disable_adapter():
+                out["base"] = _simple_evaluate(lm, request, manager)
+    if lm.rank != 0:
+        return None
+    return {"processes": lm.world_size, **{name: _portable(result, request.log_samples) for name, result in out.items()}}

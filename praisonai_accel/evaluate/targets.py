@@ -1,0 +1,110 @@
+"""What TARGET names: a run's output_dir (its final model or adapter), a checkpoint directory, a model directory or a
+Hub id; resolved, and its base checked to be at hand, before any model loads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, first_line
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class EvalTarget:
+    name: str  # what the user typed
+    model: str  # the directory (or Hub id) loaded: an adapter, or a full model
+    adapter: bool
+    base: str | None  # an adapter's base model
+    output_dir: str | None  # the run it came from, where results go by default
+    step: int | None  # the run's step this model is from
+    trust_remote_code: bool = False
+
+    def description(self) -> dict:
+        return {"target": self.name, "model": self.base if self.adapter else self.model,
+                "adapter": self.model if self.adapter else None, "checkpoint_step": self.step,
+                "config_sha256": config_hash(self.model)}
+
+
+def config_hash(model: str) -> str | None:
+    """sha256 of the adapter_config.json (or config.json) scored: which configuration the numbers belong to."""
+    for name in ("adapter_config.json", "config.json"):
+        path = Path(model) / name
+        if path.is_file():
+            return hashlib.sha256(path.read_bytes()).hexdigest()
+    return None
+
+
+def _summary(output_dir: Path) -> dict:
+    try:
+        return json.loads((output_dir / "train_summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
+    path = Path(target)
+    if not path.exists():
+        if _HUB_ID.match(target) and not target.startswith("."):
+            _check_loadable(target, "TARGET", trust_remote_code)
+            return EvalTarget(target, target, False, None, None, None, trust_remote_code)
+        raise ConfigError(f"TARGET {target}: no such run, checkpoint or model directory (nor a Hub id)")
+    if not path.is_dir():
+        raise ConfigError(f"TARGET {target}: is a file; expected a run's output_dir, a checkpoint or a model directory")
+    output_dir, step = None, None
+    match = _CHECKPOINT.match(path.name)
+    if match:
+        output_dir, step = path.parent, int(match.group(1))
+        if (path / "adapter" / "adapter_config.json").is_file():
+            path = path / "adapter"
+        elif not (path / "config.json").is_file():
+            raise ConfigError(f"TARGET {target}: this checkpoint holds no loadable model (a full fine-tune's checkpoint "
+                              "resumes training; score the run's final model instead)")
+    elif (path / "train_summary.json").is_file() or (path / "progress.json").is_file():
+        output_dir, step = path, _summary(path).get("global_step")
+    from ..inference import ModelDirError, base_model_of, resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(path)
+    except (ModelDirError, KeyError, ValueError) as exc:
+        raise ConfigError(f"TARGET {target}: not a run, checkpoint or model ({first_line(exc)})") from None
+    if output_dir is None and model_dir.parent.joinpath("train_summary.json").is_file():
+        output_dir = model_dir.parent
+        step = _summary(output_dir).get("global_step")
+    elif output_dir is None and model_dir.name == "adapter" and _CHECKPOINT.match(model_dir.parent.name):
+        output_dir, step = model_dir.parent.parent, int(_CHECKPOINT.match(model_dir.parent.name).group(1))
+    facts = _marker(model_dir)
+    if facts.get("trust_remote_code") and not trust_remote_code:
+        raise ConfigError(f"TARGET {target}: was trained with trust_remote_code: true; pass --trust-remote-code to run "
+                          "the model's own code")
+    adapter = (model_dir / "adapter_config.json").is_file()
+    base = base_model_of(model_dir) if adapter else None
+    if adapter:
+        if (base.startswith((".", "/", "~")) or not _HUB_ID.match(base)) and not Path(base).is_dir():
+            raise ConfigError(f"TARGET {target}: its adapter's base model {base} is not at hand (no such directory)")
+        _check_loadable(base, f"TARGET {target}: its adapter's base model", trust_remote_code, facts.get("revision"))
+    else:
+        _check_loadable(str(model_dir), f"TARGET {target}", trust_remote_code)
+    return EvalTarget(target, str(model_dir), adapter, base, str(output_dir) if output_dir else None, step,
+                      trust_remote_code)
+
+
+def _marker(model_dir: Path) -> dict:
+    from ..output_dirs import read_marker
+
+    return read_marker(model_dir) or {}
+
+
+def _check_loadable(model: str, what: str, trust_remote_code: bool, revision: str | None = None) -> None:
+    """The model's config is readable (a local folder, the Hub cache or the Hub): the cheap check before weights."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} {model} cannot be loaded: {first_line(exc)}") from None

@@ -1,0 +1,295 @@
+"""`praisonai-accel eval`: the numbers equal the lm_eval CLI's on the same model, adapter (peft=) and local tasks, on
+1 and 2 processes; base against tuned and the regression gate; every bad input one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import cpu_env, run
+
+pytest.importorskip("lm_eval", reason="lm-eval (the [eval] extra) is not installed")
+
+from praisonai_accel.cli import app  # noqa: E402
+
+NAMES = ["ada", "bob", "cy", "dee", "eve", "fay"]
+GEN_DOCS = 12
+BATCH = 4
+
+
+def _gen_yaml(name: str, data: Path) -> str:
+    return f"""task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+MC_YAML = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def _greedy(model, tokenizer, texts: list[str]) -> list[str]:
+    """What the model answers each prompt (greedy, cut at a newline, as the task's `until`)."""
+    import torch
+
+    out = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            row = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0]
+        out.append(tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True).split("\n")[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model):
+    """A LoRA adapter with random weights on the tiny model (so tuned and base differ) and three local tasks:
+    tiny_gen, whose first half of answers are the tuned model's own (tuned scores 0.5, the base less), tiny_gen_base,
+    the base model's (a made regression), and a multiple-choice tiny_mc."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    questions = [f"repeat {a} {b}" for a in NAMES for b in NAMES][:GEN_DOCS]
+    base_answers = _greedy(base, tokenizer, questions)
+    torch.manual_seed(1)
+    tuned = get_peft_model(base, LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "o_proj"],
+                                            init_lora_weights=False))
+    tuned_answers = _greedy(tuned, tokenizer, questions)
+    adapter = root / "adapter"
+    tuned.save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    tasks = root / "tasks"
+    tasks.mkdir()
+    half = GEN_DOCS // 2
+    for name, answers in (("tiny_gen", tuned_answers), ("tiny_gen_base", base_answers)):
+        rows = [{"question": q, "answer": a if i < half else "zzz"} for i, (q, a) in enumerate(zip(questions, answers))]
+        (tasks / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tasks / f"{name}.yaml").write_text(_gen_yaml(name, tasks / f"{name}.jsonl"))
+    mc = [{"question": f"what colour does {n} like", "choices": ["red", "blue", "green"], "label": i % 3}
+          for i, n in enumerate(NAMES * 3)]
+    (tasks / "tiny_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mc))
+    (tasks / "tiny_mc.yaml").write_text(MC_YAML.format(data=tasks / "tiny_mc.jsonl"))
+    return {"root": root, "base": tiny_model, "adapter": adapter, "tasks": tasks,
+            "differ": tuned_answers[:half] != base_answers[:half]}
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, ["eval", *args])
+
+
+def _metrics(results: dict, task: str) -> dict:
+    return {k: v for k, v in results["results"][task].items() if "," in k}
+
+
+@pytest.fixture(scope="module")
+def one_process(setup):
+    """Ours, in this process: tuned and base on the three tasks, gated on both generation tasks."""
+    out = setup["root"] / "ours.json"
+    result = _invoke(str(setup["adapter"]), "--tasks", "tiny_gen,tiny_gen_base,tiny_mc", "--include-path",
+                     str(setup["tasks"]), "--batch-size", str(BATCH), "--base", "--output", str(out),
+                     "--max-regression", "tiny_gen=0.1", "--max-regression", "tiny_gen_base=0.1")
+    return result, json.loads(out.read_text())
+
+
+def test_eval_equals_the_lm_eval_cli_on_the_adapter(setup, one_process):
+    assert setup["differ"], "the random adapter must change the tiny model's answers"
+    result, ours = one_process
+    out = setup["root"] / "cli"
+    cli = run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+               f"pretrained={setup['base']},peft={setup['adapter']}", "--tasks", "tiny_gen,tiny_gen_base,tiny_mc",
+               "--include_path", str(setup["tasks"]), "--batch_size", str(BATCH), "--device", "cpu",
+               "--output_path", str(out)], timeout=600)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    theirs = json.loads(next(out.rglob("results_*.json")).read_text())
+    for task in ("tiny_gen", "tiny_gen_base", "tiny_mc"):
+        assert _metrics(ours["tuned"], task) == _metrics(theirs, task), task
+    assert ours["tuned"]["results"]["tiny_gen"]["exact_match,none"] == 0.5
+    assert ours["adapter"] == str(setup["adapter"]) and ours["model"] == str(setup["base"])
+    assert len(ours["config_sha256"]) == 64
+
+
+def test_base_against_tuned_and_the_regression_gate(setup, one_process):
+    result, ours = one_process
+    assert ours["base"]["results"]["tiny_gen_base"]["exact_match,none"] == 0.5
+    rows = {(r["task"], r["metric"]): r for r in ours["comparison"]}
+    gen, made = rows[("tiny_gen", "exact_match,none")], rows[("tiny_gen_base", "exact_match,none")]
+    assert gen["change"] > 0.1 and made["change"] < -0.1
+    assert gen["paired_n"] == GEN_DOCS and 0 <= made["paired_p"] < 1
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    # the base scored with the adapter disabled equals lm-eval's own hf model on the base alone
+    plain = simple_evaluate(model="hf", model_args=f"pretrained={setup['base']}", device="cpu", batch_size=BATCH,
+                            tasks=["tiny_gen", "tiny_gen_base", "tiny_mc"], log_samples=False,
+                            task_manager=TaskManager(include_path=str(setup["tasks"])))
+    for task in ("tiny_gen", "tiny_gen_base", "tiny_mc"):
+        assert _metrics(ours["base"], task) == _metrics(plain, task), task
+    for column in ("base", "tuned", "change", "paired p"):
+        assert column in result.stdout
+    assert result.exit_code == 1, result.output
+    regressions = [line for line in result.stderr.splitlines() if line.startswith("regression: ")]
+    assert len(regressions) == 1 and "tiny_gen_base exact_match" in regressions[0], result.stderr
+
+
+def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_process, tmp_path):
+    """2 CPU ranks over gloo, launched as train launches: each scores half, rank 0 writes once, the same numbers;
+    a gate on the task that improved exits 0."""
+    _, ours = one_process
+    out = tmp_path / "two.json"
+    result = run([sys.executable, "-m", "praisonai_accel", "eval", str(setup["adapter"]), "--tasks",
+                  "tiny_gen,tiny_gen_base,tiny_mc", "--include-path", str(setup["tasks"]), "--batch-size", str(BATCH),
+                  "--cpu", "--num-processes", "2", "--max-regression", "tiny_gen=0.1", "--output", str(out),
+                  "--log-samples"],
+                 timeout=600, env=cpu_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "launching 2 process(es)" in result.stderr
+    two = json.loads(out.read_text())
+    for which in ("tuned", "base"):
+        for task in ("tiny_gen", "tiny_gen_base", "tiny_mc"):
+            assert _metrics(two[which], task) == pytest.approx(_metrics(ours[which], task)), (which, task)
+    assert two["processes"] == 2 and ours["processes"] == 1
+    assert len(two["tuned"]["samples"]["tiny_mc"]) == 18 and "samples" not in ours["tuned"]  # --log-samples
+    assert [(r["task"], r["metric"]) for r in two["comparison"]] == [(r["task"], r["metric"]) for r in ours["comparison"]]
+    assert [r["change"] for r in two["comparison"]] == pytest.approx([r["change"] for r in ours["comparison"]])
+
+
+def test_paired_test_is_scipys_paired_t_test():
+    from scipy.stats import ttest_rel
+
+    from praisonai_accel.evaluate.compare import paired_test
+
+    tuned = {str(i): float(v) for i, v in enumerate([1, 1, 0, 1, 1, 0, 1, 1])}
+    base = {str(i): float(v) for i, v in enumerate([0, 1, 0, 0, 1, 0, 0, 1])}
+    n, p = paired_test(tuned, base)
+    assert n == 8 and p == pytest.approx(ttest_rel(list(tuned.values()), list(base.values())).pvalue)
+    assert paired_test(base, base) == (8, 1.0)
+    assert paired_test({"0": 1.0}, {"0": 0.0}) == (None, None)
+
+
+def _one_line(result, *expected: str):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    import praisonai_accel.evaluate.score as score
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(score, "load_model", refuse)
+
+
+def test_bad_inputs_are_one_line_before_any_model_loads(setup, tmp_path, no_model_loads):
+    adapter, tasks = str(setup["adapter"]), str(setup["tasks"])
+    _one_line(_invoke(adapter, "--tasks", "no_such_task", "--include-path", tasks), "no_such_task")
+    _one_line(_invoke(adapter, "--tasks", "tiny_mc", "--include-path", str(tmp_path / "absent")),
+              "--include-path", "no such directory")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "bad.yaml").write_text("task: [unclosed\n")
+    _one_line(_invoke(adapter, "--tasks", "tiny_mc", "--include-path", str(broken)), "bad.yaml", "not a valid")
+    _one_line(_invoke(str(tmp_path / "nowhere"), "--tasks", "tiny_mc", "--include-path", tasks), "no such run")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line(_invoke(str(empty), "--tasks", "tiny_mc", "--include-path", tasks), "not a run, checkpoint or model")
+    orphan = tmp_path / "orphan"
+    orphan.mkdir()
+    config = json.loads((setup["adapter"] / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "deleted-base")
+    (orphan / "adapter_config.json").write_text(json.dumps(config))
+    _one_line(_invoke(str(orphan), "--tasks", "tiny_mc", "--include-path", tasks), "base model", "not at hand")
+    _one_line(_invoke(adapter, "--tasks", "arc_easy"), "arc_easy", "cannot be reached")
+    _one_line(_invoke(adapter, "--tasks", "tiny_mc", "--include-path", tasks, "--max-regression", "tiny_mc"),
+              "TASK=DELTA")
+
+
+def test_lm_eval_missing_is_one_line_naming_the_extra(setup, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    _one_line(_invoke(str(setup["adapter"]), "--tasks", "tiny_mc"), "pip install 'praisonai-accel[eval]'")
+
+
+def test_report_shows_the_latest_eval(setup, one_process, tmp_path):
+    _, ours = one_process
+    run_dir = tmp_path / "run"
+    (run_dir / "eval").mkdir(parents=True)
+    older = {**ours, "comparison": [{**ours["comparison"][0], "tuned": 0.123456, "base": None}]}
+    (run_dir / "eval" / "20200101-000000.json").write_text(json.dumps(older))
+    (run_dir / "eval" / "20300101-000000.json").write_text(json.dumps(ours))
+    result = CliRunner().invoke(app, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "20300101-000000.json" in result.stdout and "0.1235" not in result.stdout
+    line = next(line for line in result.stdout.splitlines() if line.startswith("eval tiny_gen/exact_match"))
+    assert "-> 0.5000" in line and "vs base" in line
+
+
+def test_target_is_a_run_a_checkpoint_or_its_adapter(setup, tmp_path):
+    """What TARGET names, and the run and step the results file records for it."""
+    import shutil
+
+    from praisonai_accel.errors import ConfigError
+    from praisonai_accel.evaluate.targets import resolve_target
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(setup["adapter"], run_dir / "lora_model")
+    shutil.copytree(setup["adapter"], run_dir / "checkpoint-3" / "adapter")
+    (run_dir / "checkpoint-4").mkdir()  # a full fine-tune's checkpoint: no loadable model
+    (run_dir / "train_summary.json").write_text(json.dumps({"global_step": 5,
+                                                            "final_model_dir": str(run_dir / "lora_model")}))
+    final = resolve_target(str(run_dir))
+    assert (final.model, final.step, final.output_dir, final.base) == (
+        str(run_dir / "lora_model"), 5, str(run_dir), str(setup["base"]))
+    for name in ("checkpoint-3", "checkpoint-3/adapter"):
+        checkpoint = resolve_target(str(run_dir / name))
+        assert (checkpoint.model, checkpoint.step, checkpoint.output_dir) == (
+            str(run_dir / "checkpoint-3" / "adapter"), 3, str(run_dir)), name
+    with pytest.raises(ConfigError, match="holds no loadable model"):
+        resolve_target(str(run_dir / "checkpoint-4"))
+    plain = resolve_target(str(setup["base"]))
+    assert (plain.adapter, plain.step, plain.output_dir) == (False, None, None)
+
+
+def test_evals_in_one_second_keep_both_files_and_the_latest_is_the_last(tmp_path):
+    from praisonai_accel.evaluate.results import default_path, latest_eval
+
+    for index in range(3):
+        path = default_path(tmp_path)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"comparison": [], "index": index}))
+    assert len(list((tmp_path / "eval").glob("*.json"))) == 3
+    assert latest_eval(tmp_path)["index"] == 2

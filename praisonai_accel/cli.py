@@ -16,6 +16,7 @@ from .commands.preprocess import preprocess_command
 from .commands.preview import preview_command
 from .commands.publish import publish_app
 from .commands.report import report_command
+from .commands.score import score_command
 from .commands.slurm import slurm_command
 from .commands.train import train_command
 
@@ -38,6 +39,7 @@ app.command("demo")(one_line_errors(demo_command))
 app.command("merge")(one_line_errors(merge_command))
 app.command("chat")(one_line_errors(chat_command))
 app.command("generate")(one_line_errors(generate_command))
+app.command("score")(one_line_errors(score_command))  # reward models (methods/reward.py)
 app.add_typer(publish_app, name="publish")
 app.add_typer(export_app, name="export")
 

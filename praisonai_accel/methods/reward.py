@@ -206,9 +206,19 @@ def base_head_problem(model_name: str) -> str | None:
 def load_scorer(path, device="cpu", dtype=None):
     """(sequence classifier in eval mode, tokenizer) from a trained reward model: a full model, or a SEQ_CLS adapter
     whose modules_to_save carry the head (loaded on its base)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the base's load report (no score head, an unused lm_head) is expected
+    try:
+        return _load_scorer(Path(path).expanduser(), device, dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _load_scorer(path: Path, device, dtype):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = Path(path).expanduser()
     kwargs = {"num_labels": 1} | ({"dtype": dtype} if dtype is not None else {})
     if (path / "adapter_config.json").is_file():
         from peft import PeftModel
@@ -224,10 +234,16 @@ def load_scorer(path, device="cpu", dtype=None):
     return model.to(device).eval(), tokenizer
 
 
-def encode_for_reward(tokenizer, prompt, completion) -> list[int]:
-    """The ids a reward model trained here reads for prompt + completion: the training encoding (preference_data)."""
+def encode_for_reward(tokenizer, prompt, completion, chat: bool | None = None) -> list[int]:
+    """The ids a reward model trained here reads for prompt + completion: the training encoding (preference_data).
+    Text is wrapped as a user and an assistant message when `chat` (default: the tokenizer has a chat template)."""
     from ..data.chat_masking import plan_masking
 
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat and isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     row = {"prompt": prompt, "chosen": completion, "rejected": completion}
     prompt_part, completions, conversational = pdata.prompt_and_completions(row, "paired")
     return pdata.encode_completion(tokenizer, plan_masking(tokenizer) if conversational else None, prompt_part,
@@ -250,7 +266,7 @@ def score_ids(model, rows: list[list[int]], pad_token_id: int, batch_size: int =
     return out
 
 
-def score_texts(model, tokenizer, pairs: list[tuple], batch_size: int = 8) -> list[float]:
+def score_texts(model, tokenizer, pairs: list[tuple], batch_size: int = 8, chat: bool | None = None) -> list[float]:
     """Rewards of (prompt, completion) pairs, each text or a list of messages."""
-    rows = [encode_for_reward(tokenizer, p, c) for p, c in pairs]
+    rows = [encode_for_reward(tokenizer, p, c, chat) for p, c in pairs]
     return score_ids(model, rows, tokenizer.pad_token_id, batch_size)

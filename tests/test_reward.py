@@ -211,7 +211,7 @@ def test_score_texts_is_the_models_own_forward(tiny):
     path, tokenizer = tiny
     model = _classifier(path, tokenizer, lora=False).eval()
     pairs = [("Q: 1+1?", " 2"), ("Q: what is the capital of France?", " Paris, a city on the Seine")]
-    rewards = score_texts(model, tokenizer, pairs)
+    rewards = score_texts(model, tokenizer, pairs, chat=False)
     for (prompt, completion), reward in zip(pairs, rewards):
         ids = tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]
         ids.append(tokenizer.eos_token_id)

@@ -86,21 +86,28 @@ def prompt_limit(config) -> int:
 
 
 BUILTIN_REWARDS = ("exact_match", "format")  # methods/rewards.py
+REWARD_MODEL_PREFIX = "model:"  # reward_funcs: "model:PATH", a reward model trained with method: reward
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def parse_reward_entry(entry: str, index: int) -> tuple[str | None, str]:
     """(module, function) of reward_funcs[index]: "package.module:function", or TRL's "package.module.function";
-    (None, name) for a built-in. ValueError (one line) for anything else."""
+    (None, name) for a built-in; (REWARD_MODEL_PREFIX, path) for a reward model. ValueError (one line) for anything
+    else."""
     entry = entry.strip()
     if entry in BUILTIN_REWARDS:
         return None, entry
+    if entry.startswith(REWARD_MODEL_PREFIX):
+        path = entry[len(REWARD_MODEL_PREFIX):].strip()
+        if not path:
+            raise ValueError(f"reward_funcs[{index}]: 'model:' names no reward model; write model:PATH")
+        return REWARD_MODEL_PREFIX, path
     module, colon, function = entry.partition(":")
     if not colon:
         module, _, function = entry.rpartition(".")
     if not module or not _DOTTED.match(module) or not re.fullmatch(r"[A-Za-z_]\w*", function):
-        raise ValueError(f"reward_funcs[{index}]: {entry!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
-                         "\"package.module:function\"")
+        raise ValueError(f"reward_funcs[{index}]: {entry!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                         "\"package.module:function\" nor a reward model \"model:PATH\"")
     return module, function
 
 

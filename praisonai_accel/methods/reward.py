@@ -208,12 +208,15 @@ def load_scorer(path, device="cpu", dtype=None):
     whose modules_to_save carry the head (loaded on its base)."""
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the base's load report (no score head, an unused lm_head) is expected
+    hf_logging.disable_progress_bar()
     try:
         return _load_scorer(Path(path).expanduser(), device, dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _load_scorer(path: Path, device, dtype):
@@ -241,13 +244,21 @@ def encode_for_reward(tokenizer, prompt, completion, chat: bool | None = None) -
 
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
-    if chat and isinstance(completion, str):
+    if chat and isinstance(completion, str):  # messages are always encoded through the template
         completion = [{"role": "assistant", "content": completion}]
         prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     row = {"prompt": prompt, "chosen": completion, "rejected": completion}
     prompt_part, completions, conversational = pdata.prompt_and_completions(row, "paired")
-    return pdata.encode_completion(tokenizer, plan_masking(tokenizer) if conversational else None, prompt_part,
-                                   completions[0], conversational)[0]
+    plan = None
+    if conversational:  # the template's masking plan, worked out once per tokenizer
+        held = _PLANS.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:
+            held = _PLANS[id(tokenizer)] = (tokenizer, plan_masking(tokenizer))
+        plan = held[1]
+    return pdata.encode_completion(tokenizer, plan, prompt_part, completions[0], conversational)[0]
+
+
+_PLANS: dict[int, tuple] = {}
 
 
 @torch.no_grad()
@@ -270,3 +281,40 @@ def score_texts(model, tokenizer, pairs: list[tuple], batch_size: int = 8, chat:
     """Rewards of (prompt, completion) pairs, each text or a list of messages."""
     rows = [encode_for_reward(tokenizer, p, c, chat) for p, c in pairs]
     return score_ids(model, rows, tokenizer.pad_token_id, batch_size)
+
+
+class ModelReward:
+    """A trained reward model as a GRPO reward function (reward_funcs: "model:PATH"): loaded once, at its first call,
+    on this rank's device, and called on each batch of completions under no_grad. Text prompts are scored as
+    method: reward trains on text (prompt, completion, eos), conversational ones through the chat template."""
+
+    def __init__(self, path: Path, batch_size: int = 16):
+        self.path, self.batch_size = Path(path), batch_size
+        self.__name__ = self.path.name
+        self._model = self._tokenizer = None
+
+    @classmethod
+    def checked(cls, path: str, base_dir: Path | None, where: str) -> "ModelReward":
+        """ConfigError (one line) for a path that is not a reward model; a relative path is the config file's."""
+        from ..errors import ConfigError
+
+        resolved = Path(path).expanduser()
+        if not resolved.is_absolute() and base_dir is not None:
+            resolved = Path(base_dir) / resolved
+        problem = reward_model_problem(resolved)
+        if problem:
+            raise ConfigError(f"{where}: model:{path}: {problem}")
+        return cls(resolved)
+
+    def load(self, device=None):
+        if self._model is None:
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+            self._model, self._tokenizer = load_scorer(self.path, device, dtype)
+            self._model.requires_grad_(False)
+        return self._model, self._tokenizer
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        model, tokenizer = self.load()
+        return score_texts(model, tokenizer, list(zip(prompts, completions)), self.batch_size, chat=False)

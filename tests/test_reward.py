@@ -4,6 +4,8 @@
   centring included), to 1e-6;
 - one batch of 2B gives the gradients of two batches of B accumulated (the recipe's summed-loss normalisation);
 - LoRA trains the score head in full (peft's modules_to_save), and accuracy rises on the training pairs;
+- a reward model as a GRPO reward (reward_funcs: model:PATH) scores each completion as the model's own forward on
+  the text alone; a path that is not a reward model is refused in one line;
 - rows: a margin column rides along exactly; a bad margin is named; the config keys and a head of several labels
   are refused in one line; `reward_model_problem` names a path that is not a sequence classifier.
 """
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from praisonai_accel.data import ensure_chat_template
+from praisonai_accel.config import ConfigError
 from praisonai_accel.methods.reward import (
     RewardLoss, RewardMethod, base_head_problem, margin_bits, margin_value, reward_model_problem, score_texts)
 
@@ -218,3 +221,71 @@ def test_score_texts_is_the_models_own_forward(tiny):
         with torch.no_grad():
             alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         assert reward == pytest.approx(alone, abs=1e-5)
+
+
+def vowel_reward_model(base, directory):
+    """A one-layer reward model built by hand, whose reward grows with the share of tokens holding a vowel (the
+    score reads a direction only such tokens' embeddings have, averaged over the row by uniform attention): a
+    signal a tiny GRPO policy can climb. Saved as a plain sequence classifier with its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    config = AutoConfig.from_pretrained(str(base))
+    config.num_hidden_layers, config.num_labels = 1, 1
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    special = set(tokenizer.all_special_ids)
+    good = [i for i in range(len(tokenizer)) if i not in special and any(v in tokenizer.decode([i]) for v in "aeiou")]
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings.normal_(0, 1.0)
+        embeddings[:, 0] = 0.0
+        embeddings[good, 0] = 3.0
+        for weight in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+                       layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight, model.score.weight):
+            weight.zero_()
+        layer.self_attn.v_proj.weight[0, 0] = layer.self_attn.o_proj.weight[0, 0] = 1.0
+        model.score.weight[0, 0] = 1.5
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_reward_model_as_grpo_reward_gives_its_own_forward_on_each_text(tiny, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from praisonai_accel.methods.rewards import load_reward_functions, score
+
+    path, tokenizer = tiny
+    vowel_reward_model(path, tmp_path / "rm")
+    config = SimpleNamespace(reward_funcs=["model:rm", "exact_match"], reward_weights=[1.0, 0.5],
+                             reward_format_pattern="")
+    functions = load_reward_functions(config, base_dir=tmp_path)  # relative to the config's directory
+    assert functions[0].short_name == "rm" and functions[0].columns == ()
+    model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm")).eval()
+    text_prompts = ["reverse the words: ada bob", "reverse the words: cy eve dan"] * 2
+    text_completions = ["bob ada", "dan eve cy", "xyz b", "a e i o u"]
+    chat_prompts = [[{"role": "user", "content": p}] for p in text_prompts]
+    chat_completions = [[{"role": "assistant", "content": c}] for c in text_completions]
+    for prompts, completions in ((text_prompts, text_completions), (chat_prompts, chat_completions)):
+        rewards = score(functions, prompts, completions, [[1]] * 4, {"answer": ["bob ada", "x", "y", "z"]},
+                        list(range(4)))
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            if isinstance(prompt, str):
+                ids = (tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]
+                       + [tokenizer.eos_token_id])
+            else:
+                ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"]
+            with torch.no_grad():
+                alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+            assert rewards[i, 0].item() == pytest.approx(alone, abs=1e-5)
+        assert rewards[0, 1].item() == 1.0 and len(set(rewards[:, 0].tolist())) == 4
+    assert functions[0].func._model.device.type == "cpu" and not any(
+        p.requires_grad for p in functions[0].func._model.parameters())
+
+    for entry, words in (("model:nowhere", "model:nowhere: "), (f"model:{path}", "not a sequence classifier")):
+        with pytest.raises(ConfigError, match=words):
+            load_reward_functions(SimpleNamespace(reward_funcs=[entry], reward_weights=None, reward_format_pattern=""),
+                                  base_dir=tmp_path)

@@ -4,6 +4,8 @@
   run SIGKILLed mid-way resumes to exactly the uninterrupted 2-process run;
 - full fine-tuning under --fsdp runs, evaluates eval_accuracy and keeps the best; the saved model, loaded with plain
   transformers, gives the rewards `praisonai-accel score` prints;
+- GRPO with reward_funcs: [model:PATH] (a reward model that likes vowels) raises its logged reward, and the
+  rewards it logged for its completions are the reward model's own on those texts;
 - bad input is one line and exit 2: a row without rejected (found by the launcher's preprocessing, which runs
   beside the starting workers), and before anything launches a base classifier of two labels, reward keys under another method, `score` on a model that is not a sequence classifier.
 """
@@ -20,7 +22,7 @@ from conftest import cli, load_adapter, read_metrics, read_summary, write_config
 from test_checkpoint import TWO, assert_same_run, start, wait_for_step
 from test_training import workers_left
 
-from praisonai_accel.demo import preference_records, task_records, write_jsonl
+from praisonai_accel.demo import demo_prompt, preference_records, task_records, write_jsonl
 
 REWARD = dict(method="reward", max_seq_length=48, max_prompt_length=32, learning_rate=5e-3, logging_steps=1,
               warmup_steps=0, center_rewards_coefficient=0.01)
@@ -45,7 +47,7 @@ def _losses(out):
 
 
 def test_2_processes_x_B_equal_1_x_2B_and_a_sigkilled_run_resumes_exactly(tmp_path, tiny_model, pairs):
-    exact = dict(max_steps=6, lora_r=8, lora_alpha=16)
+    exact = dict(max_steps=6, lora_r=8, lora_alpha=16, learning_rate=1e-3)
     runs = {}
     for name, flags, batch in (("2xB", TWO, 2), ("1x2B", ("--cpu",), 4)):
         result = cli("train", str(_config(tmp_path / name, tiny_model, pairs, per_device_train_batch_size=batch,
@@ -113,6 +115,33 @@ def test_full_fine_tuning_under_fsdp_and_score_prints_what_transformers_gives(tm
     from_file = cli("score", str(out), "--file", str(listed))  # the output_dir finds its final model
     assert from_file.returncode == 0, from_file.stderr[-3000:]
     assert [float(line) for line in from_file.stdout.split()] == printed
+
+
+def test_grpo_with_a_reward_model_raises_its_reward_and_logs_the_models_own_rewards(tmp_path, tiny_model):
+    from test_reward import vowel_reward_model
+
+    from praisonai_accel.methods.reward import load_scorer, score_texts
+
+    vowel_reward_model(tiny_model, tmp_path / "vowels")
+    rows = [{"prompt": demo_prompt(r)} for r in task_records(48, seed=0)]
+    data = write_jsonl(rows, tmp_path / "prompts.jsonl")
+    config = write_config(tmp_path, tiny_model, data, method="grpo", reward_funcs=["model:vowels"],
+                          dataset=[{"name": str(data)}], num_generations=4, max_completion_length=12,
+                          max_seq_length=64, max_prompt_length=32, per_device_train_batch_size=8, max_steps=14,
+                          finetune_type="full", final_model_dir="model", learning_rate=1e-2, logging_steps=1,
+                          warmup_steps=0, num_completions_to_print=4)
+    result = cli("train", str(config), "--cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    steps = [m for m in read_metrics(out) if "loss" in m]
+    rewards = [m["reward"] for m in steps]
+    assert "rewards/vowels/mean" in steps[0], sorted(steps[0])
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+    logged = [json.loads(line) for line in (out / "logs" / "completions.jsonl").read_text().splitlines()]
+    model, tokenizer = load_scorer(tmp_path / "vowels")
+    again = score_texts(model, tokenizer, [(r["prompt"], [{"role": "assistant", "content": r["completion"]}])
+                                           for r in logged])
+    assert [r["reward"] for r in logged] == pytest.approx(again, abs=1e-5)
 
 
 def _one_line_exit_2(result, *words):

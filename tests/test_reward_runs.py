@@ -6,6 +6,8 @@
   transformers, gives the rewards `praisonai-accel score` prints;
 - GRPO with reward_funcs: [model:PATH] (a reward model that likes vowels) raises its logged reward, and the
   rewards it logged for its completions are the reward model's own on those texts;
+- QLoRA (4-bit base, bitsandbytes on CPU) trains the adapter and the head;
+- `demo --method reward` (from an SFT demo model already in place) shows held-out accuracy before and after;
 - bad input is one line and exit 2: a row without rejected (found by the launcher's preprocessing, which runs
   beside the starting workers), and before anything launches a base classifier of two labels, reward keys under another method, `score` on a model that is not a sequence classifier.
 """
@@ -62,6 +64,17 @@ def test_2_processes_x_B_equal_1_x_2B_and_a_sigkilled_run_resumes_exactly(tmp_pa
     assert {"accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"} <= first.keys()
     card = (runs["2xB"] / "lora_model" / "README.md").read_text()
     assert "reward model" in card and "pipeline_tag: text-classification" in card
+    # the adapter (its head in modules_to_save) and its merge into a plain sequence classifier score alike
+    merged = tmp_path / "merged"
+    result = cli("merge", str(runs["1x2B"]), "--to", str(merged))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ForSequenceClassification" in json.loads((merged / "config.json").read_text())["architectures"][0]
+    texts = ("--prompt", "reverse the words: cy ada", "--completion", "ada, cy", "--prompt", "reverse the words: cy ada",
+             "--completion", "ada cy")
+    scores = [cli("score", str(d), *texts) for d in (runs["1x2B"] / "lora_model", merged)]
+    assert all(r.returncode == 0 for r in scores), [r.stderr[-2000:] for r in scores]
+    assert [float(x) for x in scores[0].stdout.split()] == pytest.approx([float(x) for x in scores[1].stdout.split()],
+                                                                         abs=1e-4)
 
     config = _config(tmp_path / "killed", tiny_model, pairs, per_device_train_batch_size=2, save_steps=1, **exact)
     out = tmp_path / "killed" / "out"
@@ -142,6 +155,35 @@ def test_grpo_with_a_reward_model_raises_its_reward_and_logs_the_models_own_rewa
     again = score_texts(model, tokenizer, [(r["prompt"], [{"role": "assistant", "content": r["completion"]}])
                                            for r in logged])
     assert [r["reward"] for r in logged] == pytest.approx(again, abs=1e-5)
+
+
+def test_qlora_trains_the_adapter_and_the_score_head(tmp_path, tiny_model, pairs):
+    import subprocess
+    import sys
+
+    from test_qlora import bnb_env
+
+    if subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=bnb_env(), capture_output=True).returncode:
+        pytest.skip("bitsandbytes is not installed (pip install --target .bnb bitsandbytes)")
+    config = _config(tmp_path, tiny_model, pairs, finetune_type="qlora", max_steps=3, per_device_train_batch_size=2)
+    result = cli("train", str(config), "--cpu", env=bnb_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = load_adapter(tmp_path / "out" / "lora_model")
+    assert any("score" in k for k in adapter) and any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())
+    assert len(_losses(tmp_path / "out")) == 3
+
+
+def test_demo_reward_trains_a_reward_model_and_shows_held_out_accuracy(tmp_path, tiny_model):
+    import shutil
+
+    shutil.copytree(tiny_model, tmp_path / "outputs" / "model")  # stands in for the SFT demo's model
+    result = cli("demo", "--method", "reward", "--dir", str(tmp_path), "--steps", "12")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training it first" not in result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("held-out reward accuracy"))
+    before, after = (int(word.rstrip("%")) for word in line.split() if word.endswith("%"))
+    assert after >= 90 and 0 <= before <= 100, line  # the tiny random base's fresh head may already rank them
+    assert (tmp_path / "reward_outputs" / "lora_model" / "adapter_config.json").is_file()
 
 
 def _one_line_exit_2(result, *words):

@@ -18,6 +18,7 @@ from .commands.preview import preview_command
 from .commands.publish import publish_app
 from .commands.report import report_command
 from .commands.serve import serve_command
+from .commands.score import score_command
 from .commands.slurm import slurm_command
 from .commands.train import train_command
 
@@ -42,6 +43,7 @@ app.command("generate")(one_line_errors(generate_command))
 app.command("eval")(one_line_errors(eval_command))
 app.command("serve")(one_line_errors(serve_command))
 app.add_typer(config_app, name="config")
+app.command("score")(one_line_errors(score_command))  # reward models (methods/reward.py)
 app.add_typer(publish_app, name="publish")
 app.add_typer(export_app, name="export")
 

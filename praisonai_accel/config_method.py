@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 class MethodKeys(BaseModel):
     # training method (praisonai_accel/methods/): sft, preference training, or online RL; TRL's names and defaults
-    method: Literal["sft", "dpo", "orpo", "kto", "grpo"] = "sft"
+    method: Literal["sft", "dpo", "orpo", "kto", "grpo", "reward"] = "sft"
     beta: float = Field(default=0.1, ge=0)  # dpo, orpo, kto (> 0); grpo: the KL coefficient (TRL's default 0.0)
     # dpo: sigmoid, ipo, hinge, robust, simpo (reference-free); grpo: grpo, dapo (TRL's default), dr_grpo, bnpo
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "grpo", "dapo", "dr_grpo", "bnpo"] = "sigmoid"
@@ -22,6 +22,8 @@ class MethodKeys(BaseModel):
     precompute_ref_log_probs: bool = False  # dpo, kto: reference log-probs computed once, before the first step
     desirable_weight: float = Field(default=1.0, gt=0)  # kto
     undesirable_weight: float = Field(default=1.0, gt=0)  # kto
+    # reward (methods/reward.py): adds this x (r_chosen + r_rejected)^2 to each pair's loss, TRL's reward centring
+    center_rewards_coefficient: float | None = Field(default=None, ge=0)
     # grpo (README "Reinforcement learning"): per_device_train_batch_size counts completions, as in TRL
     reward_funcs: list[str] | None = None  # "package.module:function", or a built-in: exact_match, format
     reward_weights: list[float] | None = None  # one per reward function; default 1.0 each

@@ -92,6 +92,18 @@ def _vision_processor(model_dir: Path, adapter: bool, revision: str | None, trus
     return None
 
 
+def _is_reward_model(model_dir: Path) -> bool:
+    """A sequence classifier (method: reward): a SEQ_CLS adapter, or a model whose architecture classifies."""
+    adapter, config = model_dir / "adapter_config.json", model_dir / "config.json"
+    try:
+        if adapter.is_file():
+            return json.loads(adapter.read_text()).get("task_type") == "SEQ_CLS"
+        architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    except (OSError, ValueError):
+        return False
+    return any(str(a).endswith("ForSequenceClassification") for a in architectures)
+
+
 def load_for_inference(path: Path, device: str | None = None, trust_remote_code: bool = False):
     """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter. For a vision-language model
     the second is its processor (AutoProcessor: image processor, tokenizer, chat template), the directory's own or,
@@ -119,11 +131,16 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
     else:  # a text model, or a multimodal one trained on text and saved with its tokenizer alone
         model_class = AutoModelForCausalLM
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    head = {}
+    if processor is None and _is_reward_model(model_dir):  # method: reward (methods/reward.py): merge keeps the head
+        from transformers import AutoModelForSequenceClassification
+
+        model_class, head = AutoModelForSequenceClassification, {"num_labels": 1}
     if adapter:
         from peft import PeftModel
 
         base = model_class.from_pretrained(base_model_of(model_dir), dtype="auto", revision=facts.get("revision"),
-                                           trust_remote_code=trust_remote_code)
+                                           trust_remote_code=trust_remote_code, **head)
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
             model = PeftModel.from_pretrained(base, str(model_dir))

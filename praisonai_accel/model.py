@@ -42,6 +42,11 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
     """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
     if config.use_unsloth is False:
         return Backend("transformers", reason="use_unsloth: false")
+    if config.method == "reward":  # unsloth's loaders build causal LMs; a reward model is a sequence classifier
+        if config.use_unsloth is True:
+            raise ConfigError("use_unsloth: true: method: reward trains a sequence classifier, which unsloth does not "
+                              "load; set use_unsloth: auto or false")
+        return Backend("transformers", reason="a reward model (sequence classifier)")
     images = declares_images(config)
     if images:
         if config.use_unsloth is True:
@@ -162,7 +167,7 @@ def _quantization_config(compute_dtype, skip_modules: list[str] | None = None):
 
 
 def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     from . import vision_model
 
@@ -175,6 +180,9 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
         skips = vision_quantization_skips(config) if vision else None
         kwargs["quantization_config"] = _quantization_config(dtype, skips)
     auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    reward = config.method == "reward"  # a one-label sequence classifier (methods/reward.py)
+    if reward:
+        auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     model = auto_class.from_pretrained(config.model_name, **kwargs)
     if vision:
         vision_model.freeze(model, config)
@@ -194,7 +202,9 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
         from peft import LoraConfig, get_peft_model
 
         scope = vision_model.lora_scope(model, config) if vision else {}
-        model = get_peft_model(model, LoraConfig(**lora_settings(config), **scope, task_type="CAUSAL_LM"))
+        # SEQ_CLS: peft trains the score head in full (modules_to_save) and saves it with the adapter
+        model = get_peft_model(model, LoraConfig(**lora_settings(config), **scope,
+                                                 task_type="SEQ_CLS" if reward else "CAUSAL_LM"))
     model.config.use_cache = False
     return model
 
@@ -212,7 +222,10 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
             ensure_chat_template(tokenizer, config.chat_template)
             return model, tokenizer
         tokenizer = load_tokenizer(config)
-        return _load_with_transformers(config, device_map, dtype), tokenizer
+        model = _load_with_transformers(config, device_map, dtype)
+        if config.method == "reward":  # the classifier reads each row's reward at its last non-pad token
+            model.config.pad_token_id = tokenizer.pad_token_id
+        return model, tokenizer
     except (OSError, ValueError) as exc:  # missing files, bad repo ids, unreadable configs
         first = first_line(exc)
         raise ConfigError(f"model_name: cannot load '{config.model_name}': {first}") from None

@@ -47,8 +47,8 @@ def _write(tmp_path: Path, module_source: str | None = None, **keys) -> tuple[Pa
 GOOD = "def reward(prompts, completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
 
 BAD_CONFIGS = [  # (module source, reward_funcs, the line after "error: ")
-    (None, ["no module here"], "{config}: reward_funcs[0]: 'no module here' is neither a built-in (exact_match, format) nor "
-                               "\"package.module:function\""),
+    (None, ["no module here"], "{config}: reward_funcs[0]: 'no module here' is neither a built-in (exact_match, format), "
+                               "\"package.module:function\" nor a reward model \"model:PATH\""),
     (None, ["{module}:reward"], "reward_funcs[0]: no module named '{module}' (looked in {dir} (the config's directory) "
                                 "and sys.path); put {module}.py next to the config file or install it"),
     ("import not_installed_anywhere_xyz\n", ["{module}:reward"],

@@ -13,16 +13,18 @@ def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
     steps: int | None = typer.Option(None, "--steps", min=1,
-                                     help="optimizer steps (250 for sft, 30 for dpo, 150 for grpo, 120 for --vision)"),
+                                     help="optimizer steps (250 for sft, 30 for dpo and reward, 150 for grpo, 120 for --vision)"),
     method: str = typer.Option("sft", "--method", help="sft; dpo: teach the SFT demo's model a preference; grpo: "
-                                                       "teach it, from a reward, to reverse four names"),
+                                                       "teach it, from a reward, to reverse four names; reward: "
+                                                       "train a reward model on the DPO demo's pairs"),
     vision: bool = typer.Option(False, "--vision",
                                 help="a tiny vision-language model learns the colour of drawn shapes"),
 ) -> None:
     """Build a tiny local model and a task with checkable answers (reverse 2 or 3 names), train it with N CPU
     processes, and show held-out answers and exact-match accuracy before and after. --method dpo starts from that
     model (training it first when it is absent) and teaches it, with DPO and LoRA, to prefer answers joined by commas
-    over the spaces it learned, showing held-out preference accuracy before and after. --method grpo starts from it
+    over the spaces it learned, showing held-out preference accuracy before and after. --method reward trains a reward
+    model (that model with a score head) on the same pairs, showing held-out reward accuracy before and after. --method grpo starts from it
     too and teaches it, with GRPO and a reward for names in the right place, to reverse four names. --vision: a tiny
     vision-language model learns to name the colour of a drawn shape, held-out exact match before and after."""
     if vision:
@@ -33,10 +35,14 @@ def demo_command(
 
             raise ConfigError(f"--vision: the vision demo trains with sft; drop --method {method}")
         return vision_demo(directory, processes, steps)
-    if method not in ("sft", "dpo", "grpo"):
+    if method not in ("sft", "dpo", "grpo", "reward"):
         from ..config import ConfigError
 
-        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo or grpo")
+        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo, grpo or reward")
+    if method == "reward":  # commands/demo_reward.py
+        from .demo_reward import reward_demo
+
+        return reward_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft", False))
     if method == "grpo":
         from .demo_grpo import grpo_demo
 

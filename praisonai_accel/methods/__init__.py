@@ -15,6 +15,10 @@ def method_for(config) -> TrainingMethod:
         from .grpo import GRPO
 
         return GRPO(config)
+    if name == "reward":  # method: reward (methods/reward.py)
+        from .reward import RewardMethod
+
+        return RewardMethod(config)
     from .preference import PreferenceMethod  # dpo, orpo, kto
 
     return PreferenceMethod(config)

@@ -8,7 +8,7 @@ GRPO_KEYS = {"reward_funcs", "reward_weights", "reward_format_pattern", "num_gen
              "temperature", "top_p", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
              "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm"}
 METHOD_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs",
-               "desirable_weight", "undesirable_weight", *sorted(GRPO_KEYS))
+               "desirable_weight", "undesirable_weight", "center_rewards_coefficient", *sorted(GRPO_KEYS))
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "hinge", "robust", "simpo"), "grpo": ("grpo", "dapo", "dr_grpo", "bnpo")}
 KEYS_BY_METHOD = {
     "sft": set(),
@@ -16,6 +16,7 @@ KEYS_BY_METHOD = {
     "orpo": {"beta", "max_prompt_length"},
     "kto": {"beta", "max_prompt_length", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight"},
     "grpo": {"beta", "loss_type", "max_prompt_length"} | GRPO_KEYS,
+    "reward": {"max_prompt_length", "center_rewards_coefficient"},  # methods/reward.py
 }
 # What each method logs beside its loss (TRL's names); evaluation logs them as eval_<name>. preference_loss uses these.
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -24,7 +25,9 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/c
 # grpo: clip_ratio is TRL's clip_ratio/region_mean; methods/grpo_loss.py computes the clip ratios and kl
 GRPO_METRICS = ("reward", "reward_std", "completions/mean_length", "clip_ratio", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "kl")
-METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS, "grpo": GRPO_METRICS}
+REWARD_METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")  # methods/reward.py
+METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS, "grpo": GRPO_METRICS,
+                     "reward": REWARD_METRICS}
 
 
 def best_model_metric(config) -> str:
@@ -83,21 +86,28 @@ def prompt_limit(config) -> int:
 
 
 BUILTIN_REWARDS = ("exact_match", "format")  # methods/rewards.py
+REWARD_MODEL_PREFIX = "model:"  # reward_funcs: "model:PATH", a reward model trained with method: reward
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def parse_reward_entry(entry: str, index: int) -> tuple[str | None, str]:
     """(module, function) of reward_funcs[index]: "package.module:function", or TRL's "package.module.function";
-    (None, name) for a built-in. ValueError (one line) for anything else."""
+    (None, name) for a built-in; (REWARD_MODEL_PREFIX, path) for a reward model. ValueError (one line) for anything
+    else."""
     entry = entry.strip()
     if entry in BUILTIN_REWARDS:
         return None, entry
+    if entry.startswith(REWARD_MODEL_PREFIX):
+        path = entry[len(REWARD_MODEL_PREFIX):].strip()
+        if not path:
+            raise ValueError(f"reward_funcs[{index}]: 'model:' names no reward model; write model:PATH")
+        return REWARD_MODEL_PREFIX, path
     module, colon, function = entry.partition(":")
     if not colon:
         module, _, function = entry.rpartition(".")
     if not module or not _DOTTED.match(module) or not re.fullmatch(r"[A-Za-z_]\w*", function):
-        raise ValueError(f"reward_funcs[{index}]: {entry!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
-                         "\"package.module:function\"")
+        raise ValueError(f"reward_funcs[{index}]: {entry!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                         "\"package.module:function\" nor a reward model \"model:PATH\"")
     return module, function
 
 

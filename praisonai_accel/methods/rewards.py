@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError, first_line
-from .method_keys import BUILTIN_REWARDS, parse_reward_entry
+from .method_keys import BUILTIN_REWARDS, REWARD_MODEL_PREFIX, parse_reward_entry
 
 log = logging.getLogger("praisonai_accel")
 FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
@@ -66,7 +66,10 @@ class RewardFunction:
 
 def reward_name(entry: str) -> str:
     """The name a reward_funcs entry is logged under (rewards/<name>/mean): the function's own name, as TRL."""
-    return entry.strip().replace(":", ".").rsplit(".", 1)[-1]
+    entry = entry.strip()
+    if entry.startswith(REWARD_MODEL_PREFIX):  # a reward model: its directory's name, as TRL names it
+        return Path(entry[len(REWARD_MODEL_PREFIX):].strip().rstrip("/")).name
+    return entry.replace(":", ".").rsplit(".", 1)[-1]
 
 
 # ---------------------------------------------------------------- built-ins
@@ -134,7 +137,11 @@ def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFu
             module, attribute = parse_reward_entry(entry, index)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if module is None:
+        if module == REWARD_MODEL_PREFIX:  # a trained reward model (methods/reward.py), loaded at its first call
+            from .reward import ModelReward
+
+            func = ModelReward.checked(attribute, base_dir, f"reward_funcs[{index}]")
+        elif module is None:
             func = exact_match if attribute == "exact_match" else format_reward(config.reward_format_pattern)
         else:
             func = _import(module, attribute, f"reward_funcs[{index}]", base_dir)

@@ -163,10 +163,12 @@ def model_card(config: TrainConfig, summary: dict) -> str:
     from ..data.vision_processor import is_vision_checkpoint
 
     vision = is_vision_checkpoint(config)
+    reward = getattr(config, "method", "sft") == "reward"  # methods/reward.py: a sequence classifier
+    pipeline = "image-text-to-text" if vision else "text-classification" if reward else "text-generation"
     front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + [
         "library_name: peft" if config.uses_lora else "library_name: transformers",
-        f"pipeline_tag: {'image-text-to-text' if vision else 'text-generation'}", "tags:", "- praisonai-accel",
-        f"- {config.finetune_type}"]
+        f"pipeline_tag: {pipeline}", "tags:", "- praisonai-accel", f"- {config.finetune_type}"] + [
+        "- reward-model"] * reward
     if hub_datasets:
         front += ["datasets:"] + [f"- {d}" for d in hub_datasets]
     front.append("---")
@@ -194,15 +196,31 @@ def model_card(config: TrainConfig, summary: dict) -> str:
         rows.append((config.metric_for_best_model, f"{summary['best_metric']:.4f}"))
     table = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     title = config.hub_model_id or Path(config.final_model_dir).name
-    usage = _vision_usage(base, title, config.uses_lora) if vision else (
+    usage = _vision_usage(base, title, config.uses_lora) if vision else _reward_usage(base, title, config.uses_lora) \
+        if reward else (
         "```python\nfrom peft import AutoPeftModelForCausalLM\n"
         f"model = AutoPeftModelForCausalLM.from_pretrained(\"{title}\")\n```"
         if config.uses_lora else
         f"```python\nfrom transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"{title}\")\n```"
     )
-    body = [f"# {title}", "", f"Fine-tuned from `{base}` with praisonai-accel {__version__}.", "",
+    what = (" A reward model (method: reward): one score per prompt + completion, higher for the preferred one."
+            if reward else "")
+    body = [f"# {title}", "", f"Fine-tuned from `{base}` with praisonai-accel {__version__}.{what}", "",
             "## Training", ""] + table + ["", "## Use", "", usage, ""]
     return "\n".join(front + [""] + body)
+
+
+def _reward_usage(base: str, title: str, lora: bool) -> str:
+    """How to score with a reward model: `praisonai-accel score`, or transformers (peft for an adapter)."""
+    lines = ["```bash", f"praisonai-accel score {title} --prompt \"...\" --completion \"...\"", "```", "",
+             "```python", "from transformers import AutoModelForSequenceClassification"]
+    if lora:
+        lines += ["from peft import PeftModel", "",
+                  f"base = AutoModelForSequenceClassification.from_pretrained(\"{base}\", num_labels=1)",
+                  f"model = PeftModel.from_pretrained(base, \"{title}\")"]
+    else:
+        lines += ["", f"model = AutoModelForSequenceClassification.from_pretrained(\"{title}\")"]
+    return "\n".join(lines + ["```"])
 
 
 def _vision_usage(base: str, title: str, lora: bool) -> str:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, generation_rule, sequence_parallel_rule, vision_rule
+from ..checks import final_model_dir_rule, generation_rule, reward_model_rule, sequence_parallel_rule, vision_rule
 from ..config import ConfigError, TrainConfig
 from ..data.vision_processor import declares_images
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
@@ -103,6 +103,7 @@ class Recipe:
         final_model_dir_rule(config)  # accelerate launch / torchrun: not checked before launch
         sequence_parallel_rule(config, accelerator.num_processes)  # the model's heads: once it is loaded
         generation_rule(config)
+        reward_model_rule(config)  # method: reward (methods/reward.py)
         self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "

@@ -1,0 +1,240 @@
+"""Reward models, ours against TRL's RewardTrainer, in one run: step time and peak memory as ratios, and held-out
+accuracy on the demo task.
+
+    python bench/reward.py --work DIR [--pairs 8 --batch 2 --steps 5 --length 512 --vocab 128256 --layers 4]
+    python bench/reward.py --work DIR --accuracy [--steps 30]
+
+Speed (default): bench/run.py's realistic model (the tiny Llama's layers at hidden 512, a 128k-token vocabulary)
+loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs whose rows take 60% to 100% of
+--length tokens; both sides train a LoRA r16 on every linear layer (lora_alpha 32, no dropout) with the score head in
+full (modules_to_save), AdamW at the same learning rate, batch --batch pairs, fp32 on CPU, each in a fresh process
+(peak RSS is that process's ru_maxrss, step time the median of the steps after the first two). --gpu: one CUDA GPU,
+bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's RewardMethod (encode, collate) and
+RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step.
+
+Accuracy (--accuracy): the reward demo's task (commands/demo_reward.py: the DPO demo's pairs, commas chosen over
+spaces) on the same base (the tiny demo Llama), data, LoRA (r16, alpha 32), batch, learning rate and steps: ours
+through `praisonai-accel train` on one CPU process, TRL's RewardTrainer; held-out pairwise accuracy of each saved
+model, scored the same way (methods/reward.score_texts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from dpo import LORA_TARGETS, WARMUP, _peak_mib, _sync, make_pairs  # noqa: E402
+
+
+def _classifier(path, tokenizer, lora_targets, gpu: bool):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets,
+                                            task_type="SEQ_CLS")).to("cuda" if gpu else "cpu")
+
+
+def run_ours(args) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from praisonai_accel.data import ensure_chat_template
+    from praisonai_accel.methods.reward import RewardLoss, RewardMethod
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ensure_chat_template(tokenizer)
+    config = argparse.Namespace(method="reward", max_prompt_length=args.length // 2, max_seq_length=args.length,
+                                center_rewards_coefficient=None, model_fields_set=set())
+    method = RewardMethod(config)
+    pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    examples = [method.encode(p, "paired", tokenizer, config) for p in pairs]
+    module = RewardLoss(_classifier(args.model, tokenizer, LORA_TARGETS, args.gpu), None).train()
+    device = "cuda" if args.gpu else "cpu"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
+    times, losses = [], []
+    for step in range(args.steps):
+        batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
+        _sync(args.gpu)
+        started = time.perf_counter()
+        data = {k: v.to(device) for k, v in method.collate(batch, tokenizer.pad_token_id).items()}
+        with autocast:
+            loss_sum, _ = module(**data)
+        (loss_sum / method.units(data)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(args.gpu)
+        times.append(time.perf_counter() - started)
+        losses.append(loss_sum.item() / method.units(data))
+    tokens = sum(len(e["chosen_input_ids"]) + len(e["rejected_input_ids"]) for e in examples) / len(examples)
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu), "tokens_per_pair": tokens}
+
+
+def _trl_trainer(model_path: str, pairs: list[dict], out: Path, steps: int, batch: int, lr: float, length: int,
+                 gpu: bool, callbacks=(), seed: int = 0, warmup_steps: int = 0, scheduler: str = "constant"):
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from praisonai_accel.data import ensure_chat_template
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ensure_chat_template(tokenizer)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    config = RewardConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=lr,
+                          lr_scheduler_type=scheduler, warmup_steps=warmup_steps, logging_steps=1, save_strategy="no",
+                          report_to="none", max_length=length, use_cpu=not gpu, bf16=gpu, seed=seed,
+                          dataloader_num_workers=0, disable_tqdm=True)
+    peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="SEQ_CLS",
+                             modules_to_save=["score"])
+    return RewardTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(pairs),
+                         processing_class=tokenizer, peft_config=peft_config, callbacks=list(callbacks))
+
+
+def run_trl(args) -> dict:
+    from transformers import TrainerCallback
+
+    times, marks = [], {}
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, _args, state, _control, **_kw):
+            _sync(args.gpu)
+            marks["start"] = time.perf_counter()
+
+        def on_step_end(self, _args, state, _control, **_kw):
+            _sync(args.gpu)
+            times.append(time.perf_counter() - marks["start"])
+
+    pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    trainer = _trl_trainer(args.model, pairs, Path(args.out) / "trl", args.steps, args.batch, args.lr, args.length,
+                           args.gpu, [StepTimes()])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu)}
+
+
+def speed(args) -> None:
+    from run import make_realistic_model
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / f"model-{args.vocab}-{args.layers}"
+    if not (model / "config.json").exists():
+        make_realistic_model(model, vocab=args.vocab, layers=args.layers)
+    data = work / f"pairs-{args.pairs}-{args.length}.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in make_pairs(model, args.pairs, args.length)))
+    results, env = {}, {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not args.gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    for name in ("ours", "trl"):
+        command = [sys.executable, __file__, "--child", name, "--model", str(model), "--data", str(data), "--out",
+                   str(work), "--work", str(work), "--batch", str(args.batch), "--steps", str(args.steps),
+                   "--length", str(args.length), "--lr", str(args.lr)] + (["--gpu"] if args.gpu else [])
+        started = time.time()
+        subprocess.run(command, check=True, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+        results[name] = json.loads((work / f"{name}.json").read_text())
+        results[name]["wall_seconds"] = time.time() - started
+        results[name]["median_step_seconds"] = statistics.median(results[name]["step_seconds"][WARMUP:] or
+                                                                  results[name]["step_seconds"])
+    summary = {
+        "device": "gpu (bf16 autocast); memory: peak GPU allocated" if args.gpu else "cpu (fp32); memory: peak RSS",
+        "shape": {"vocab": args.vocab, "hidden": 512, "layers": args.layers, "length": args.length,
+                  "batch_pairs": args.batch, "steps": args.steps, "lora_r": 16,
+                  "tokens_per_pair": results["ours"]["tokens_per_pair"]},
+        "step_time_ratio": results["ours"]["median_step_seconds"] / results["trl"]["median_step_seconds"],
+        "peak_rss_ratio": results["ours"]["peak_rss_mib"] / results["trl"]["peak_rss_mib"],
+        "ours": results["ours"], "trl": results["trl"],
+    }
+    (work / "reward_bench.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: summary[k] for k in ("shape", "step_time_ratio", "peak_rss_ratio")}, indent=2))
+    for name in ("ours", "trl"):
+        r = results[name]
+        print(f"{name}: median step {r['median_step_seconds']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+              f"losses {[round(x, 4) for x in r['losses']]}")
+
+
+def accuracy(args) -> None:
+    import yaml
+
+    from praisonai_accel.commands.demo_reward import (HELD_OUT_PAIRS, SEED, TRAIN_PAIRS, held_out_accuracy,
+                                                      reward_demo_config)
+    from praisonai_accel.demo import make_tiny_model, preference_records, task_records, write_jsonl
+
+    work = Path(args.work).resolve()
+    base = work / "tiny-llama"
+    if not (base / "config.json").exists():
+        make_tiny_model(base)
+    train = task_records(TRAIN_PAIRS, seed=2)
+    held_out = preference_records(task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train}))
+    pairs = preference_records(train)
+    data = write_jsonl(pairs, work / "reward_data.jsonl")
+    raw = reward_demo_config(base, data, work / "ours", args.steps)
+    raw["lr_scheduler_type"] = "constant_with_warmup"  # the same schedule on both sides
+    config = work / "reward_config.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu"], check=True, env=env)
+    ours = held_out_accuracy(work / "ours" / "lora_model", held_out)
+    trainer = _trl_trainer(str(base), pairs, work / "trl", raw["max_steps"], raw["per_device_train_batch_size"],
+                           raw["learning_rate"], raw["max_seq_length"], False, seed=SEED,
+                           warmup_steps=raw["warmup_steps"], scheduler="constant_with_warmup")
+    trainer.train()
+    trainer.save_model(str(work / "trl" / "final"))
+    theirs = held_out_accuracy(work / "trl" / "final", held_out)
+    before = held_out_accuracy(base, held_out)
+    summary = {"task": "reward demo: commas chosen over spaces", "held_out_pairs": len(held_out),
+               "steps": raw["max_steps"], "batch_pairs": raw["per_device_train_batch_size"],
+               "learning_rate": raw["learning_rate"], "lora_r": raw["lora_r"], "base": "tiny demo Llama",
+               "accuracy_before": before, "accuracy_ours": ours, "accuracy_trl": theirs,
+               "ours_minus_trl": ours - theirs}
+    (work / "reward_accuracy.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="default 5 (speed), the demo's 30 (--accuracy)")
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, bf16 autocast; memory = peak GPU allocated")
+    parser.add_argument("--accuracy", action="store_true", help="held-out accuracy on the demo task instead")
+    parser.add_argument("--child", choices=["ours", "trl"])
+    parser.add_argument("--model")
+    parser.add_argument("--data")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.child:
+        result = run_ours(args) if args.child == "ours" else run_trl(args)
+        Path(args.out, f"{args.child}.json").write_text(json.dumps(result))
+        return
+    if args.accuracy:
+        accuracy(args)
+    else:
+        args.steps = args.steps or 5
+        speed(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Reward models (methods/reward.py), in process on the tiny model:
+
+- the loss and metrics equal TRL's own RewardTrainer.compute_loss on the same model and inputs (margin and
+  centring included), to 1e-6;
+- one batch of 2B gives the gradients of two batches of B accumulated (the recipe's summed-loss normalisation);
+- LoRA trains the score head in full (peft's modules_to_save), and accuracy rises on the training pairs;
+- a reward model as a GRPO reward (reward_funcs: model:PATH) scores each completion as the model's own forward on
+  the text alone; a path that is not a reward model is refused in one line;
+- rows: a margin column rides along exactly; a bad margin is named; the config keys and a head of several labels
+  are refused in one line; `reward_model_problem` names a path that is not a sequence classifier.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from praisonai_accel.data import ensure_chat_template
+from praisonai_accel.config import ConfigError
+from praisonai_accel.methods.reward import (
+    RewardLoss, RewardMethod, base_head_problem, margin_bits, margin_value, reward_model_problem, score_texts)
+
+CONFIG = dict(method="reward", max_prompt_length=64, max_seq_length=128, center_rewards_coefficient=None,
+              model_fields_set=set())
+
+
+def _config(**overrides):
+    return SimpleNamespace(**{**CONFIG, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    ensure_chat_template(tokenizer)
+    return tiny_model, tokenizer
+
+
+def _classifier(path, tokenizer, lora: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, task_type="SEQ_CLS"))
+    return model
+
+
+def _rows(count=16, seed=0, margins=False):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        row = {"prompt": [{"role": "user", "content": f"add {a} and {b}"}],
+               "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}"}],
+               "rejected": [{"role": "assistant", "content": f"{a} and {b} make {a + b + rng.randint(1, 5)} i think"}]}
+        if margins:
+            row["margin"] = [0.0, 0.5, 1.25, -0.3][i % 4]
+        rows.append(row)
+    return rows
+
+
+def _examples(method, tokenizer, rows, config=None):
+    out = [method.encode(r, "paired", tokenizer, config or _config()) for r in rows]
+    assert all(isinstance(e, dict) for e in out), out
+    return out
+
+
+def _trl_loss(model, batch, coefficient):
+    """TRL's RewardTrainer.compute_loss itself, on a stand-in for the trainer holding what it reads."""
+    from accelerate import Accelerator
+    from trl import RewardTrainer
+
+    trainer = SimpleNamespace(model=model, args=SimpleNamespace(center_rewards_coefficient=coefficient),
+                              accelerator=Accelerator(cpu=True), _total_train_tokens=0, _tp_size=1,
+                              _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "margin")}
+    loss = RewardTrainer.compute_loss(trainer, model, inputs)
+    mode = "train" if model.training else "eval"
+    return loss, {k: v[-1] for k, v in trainer._metrics[mode].items()}
+
+
+@pytest.mark.parametrize("margins,coefficient", [(False, None), (True, None), (True, 0.01)])
+def test_loss_and_metrics_equal_trls_reward_trainer(tiny, margins, coefficient):
+    path, tokenizer = tiny
+    method = RewardMethod(_config(center_rewards_coefficient=coefficient))
+    model = _classifier(path, tokenizer, lora=False)
+    with torch.no_grad():  # a score head far from zero, so the margin and centring terms matter
+        model.score.weight.normal_(0, 2.0)
+    rows = _rows(8, margins=margins)
+    for row in rows[::2]:  # half the pairs the other way round: an accuracy of neither 0 nor 1
+        row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+    examples = _examples(method, tokenizer, rows)
+    batch = method.collate(examples, tokenizer.pad_token_id)
+    assert ("margin" in batch) == margins
+    module = RewardLoss(model, coefficient)
+    loss_sum, sums = method.forward(module, batch)
+    units = method.units(batch)
+    ours = loss_sum / units
+    theirs, trl_metrics = _trl_loss(model, batch, coefficient)
+    assert abs(ours.item() - theirs.item()) <= 1e-6, (ours.item(), theirs.item())
+    metrics = method.reduce_metrics({k: v.item() for k, v in sums.items()}, units)
+    assert metrics["accuracy"] == pytest.approx(trl_metrics["accuracy"], abs=1e-6)
+    assert metrics["margin"] == pytest.approx(trl_metrics["margin"], abs=1e-6)
+    assert metrics["mean_reward"] == pytest.approx(trl_metrics["mean_reward"], abs=1e-6)
+    assert 0 < metrics["accuracy"] < 1  # the comparison is not trivially all or nothing
+    # the gradient of our summed loss / units is the gradient of TRL's mean
+    model.zero_grad()
+    ours.backward()
+    ours_grad = model.score.weight.grad.clone()
+    model.zero_grad()
+    _trl_loss(model, batch, coefficient)[0].backward()
+    assert torch.allclose(ours_grad, model.score.weight.grad, atol=1e-6)
+
+
+def test_one_batch_of_2b_equals_two_batches_of_b(tiny):
+    path, tokenizer = tiny
+    method = RewardMethod(_config(center_rewards_coefficient=0.05))
+    examples = _examples(method, tokenizer, _rows(8, margins=True))
+    grads = []
+    for split in ((examples,), (examples[:4], examples[4:])):
+        module = RewardLoss(_classifier(path, tokenizer, lora=True), 0.05)
+        batches = [method.collate(list(part), tokenizer.pad_token_id) for part in split]
+        total = sum(method.units(b) for b in batches)
+        for b in batches:
+            (method.forward(module, b)[0] / total).backward()
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) <= 1e-6
+
+
+def test_lora_trains_the_score_head_in_full_and_accuracy_rises(tiny):
+    path, tokenizer = tiny
+    method = RewardMethod(_config())
+    model = _classifier(path, tokenizer, lora=True)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("score" in n and "modules_to_save" in n and "lora" not in n for n in trained), trained
+    module = RewardLoss(model, None)
+    examples = _examples(method, tokenizer, _rows(16))
+    batch = method.collate(examples, tokenizer.pad_token_id)
+
+    def accuracy():
+        with torch.no_grad():
+            return method.reduce_metrics({k: v.item() for k, v in method.forward(module, batch)[1].items()},
+                                         method.units(batch))["accuracy"]
+
+    before = accuracy()
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(12):
+        part = method.collate(examples[(step % 4) * 4:(step % 4) * 4 + 4], tokenizer.pad_token_id)
+        loss = method.forward(module, part)[0] / method.units(part)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert accuracy() > max(before, 0.8), before
+
+
+def test_margin_rides_through_the_int_cache_exactly_and_a_bad_one_is_named(tiny):
+    _, tokenizer = tiny
+    for value in (0.0, 0.1, -2.5, 1e-7, 3.4e38):
+        assert margin_value(margin_bits(value)) == float(torch.tensor(value, dtype=torch.float32))
+    method = RewardMethod(_config())
+    row = _rows(1)[0]
+    assert method.check_row({**row, "margin": "high"}, "paired") == "'margin' is 'high'; it must be a finite number"
+    assert "finite" in method.check_row({**row, "margin": float("nan")}, "paired")
+    assert method.check_row({**row, "margin": 2}, "paired") is None
+    assert "missing" in method.check_row({k: v for k, v in row.items() if k != "rejected"}, "paired")
+    text = {"prompt": "Q: 1+1?", "chosen": " 2", "rejected": " 3", "margin": 0.75}
+    example = method.encode(text, "paired", tokenizer, _config())
+    assert margin_value(example["margin"]) == 0.75
+    assert example["chosen_input_ids"][-1] == tokenizer.eos_token_id  # TRL's text rows end with eos
+
+
+def test_config_refuses_reward_keys_elsewhere_and_other_keys_here(tiny_model, tmp_path):
+    from praisonai_accel.config import TrainConfig
+
+    base = {"model_name": str(tiny_model), "dataset": [{"name": "x.jsonl"}]}
+    config = TrainConfig(**base, method="reward", center_rewards_coefficient=0.01,
+                         metric_for_best_model="eval_accuracy")
+    assert config.center_rewards_coefficient == 0.01
+    with pytest.raises(ValueError, match="center_rewards_coefficient: belongs to method reward, not to method: dpo"):
+        TrainConfig(**base, method="dpo", center_rewards_coefficient=0.01)
+    with pytest.raises(ValueError, match="beta: belongs to method"):
+        TrainConfig(**base, method="reward", beta=0.5)
+
+
+def test_heads_and_paths_that_are_not_reward_models_are_named(tiny_model, tmp_path):
+    assert base_head_problem(str(tiny_model)) is None  # a causal LM gets a new one-label head
+    two = tmp_path / "two-labels"
+    two.mkdir()
+    (two / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                 "id2label": {"0": "a", "1": "b"}}))
+    assert base_head_problem(str(two)) == (f"model_name: {two} has a classification head with 2 labels; a reward "
+                                           "model has one")
+    assert "is not a sequence classifier (architectures: LlamaForCausalLM)" in reward_model_problem(tiny_model)
+    assert "has a classification head with 2 labels" in reward_model_problem(two)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM"}))
+    assert "not a sequence classifier (SEQ_CLS)" in reward_model_problem(adapter)
+    assert "is not a directory" in reward_model_problem(tmp_path / "nothing")
+
+
+def test_score_texts_is_the_models_own_forward(tiny):
+    path, tokenizer = tiny
+    model = _classifier(path, tokenizer, lora=False).eval()
+    pairs = [("Q: 1+1?", " 2"), ("Q: what is the capital of France?", " Paris, a city on the Seine")]
+    rewards = score_texts(model, tokenizer, pairs, chat=False)
+    for (prompt, completion), reward in zip(pairs, rewards):
+        ids = tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]
+        ids.append(tokenizer.eos_token_id)
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+        assert reward == pytest.approx(alone, abs=1e-5)
+
+
+def vowel_reward_model(base, directory):
+    """A one-layer reward model built by hand, whose reward grows with the share of tokens holding a vowel (the
+    score reads a direction only such tokens' embeddings have, averaged over the row by uniform attention): a
+    signal a tiny GRPO policy can climb. Saved as a plain sequence classifier with its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    config = AutoConfig.from_pretrained(str(base))
+    config.num_hidden_layers, config.num_labels = 1, 1
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    special = set(tokenizer.all_special_ids)
+    good = [i for i in range(len(tokenizer)) if i not in special and any(v in tokenizer.decode([i]) for v in "aeiou")]
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings.normal_(0, 1.0)
+        embeddings[:, 0] = 0.0
+        embeddings[good, 0] = 3.0
+        for weight in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+                       layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight, model.score.weight):
+            weight.zero_()
+        layer.self_attn.v_proj.weight[0, 0] = layer.self_attn.o_proj.weight[0, 0] = 1.0
+        model.score.weight[0, 0] = 1.5
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_reward_model_as_grpo_reward_gives_its_own_forward_on_each_text(tiny, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from praisonai_accel.methods.rewards import load_reward_functions, score
+
+    path, tokenizer = tiny
+    vowel_reward_model(path, tmp_path / "rm")
+    config = SimpleNamespace(reward_funcs=["model:rm", "exact_match"], reward_weights=[1.0, 0.5],
+                             reward_format_pattern="")
+    functions = load_reward_functions(config, base_dir=tmp_path)  # relative to the config's directory
+    assert functions[0].short_name == "rm" and functions[0].columns == ()
+    model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm")).eval()
+    text_prompts = ["reverse the words: ada bob", "reverse the words: cy eve dan"] * 2
+    text_completions = ["bob ada", "dan eve cy", "xyz b", "a e i o u"]
+    chat_prompts = [[{"role": "user", "content": p}] for p in text_prompts]
+    chat_completions = [[{"role": "assistant", "content": c}] for c in text_completions]
+    for prompts, completions in ((text_prompts, text_completions), (chat_prompts, chat_completions)):
+        rewards = score(functions, prompts, completions, [[1]] * 4, {"answer": ["bob ada", "x", "y", "z"]},
+                        list(range(4)))
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            if isinstance(prompt, str):
+                ids = (tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]
+                       + [tokenizer.eos_token_id])
+            else:
+                ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"]
+            with torch.no_grad():
+                alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+            assert rewards[i, 0].item() == pytest.approx(alone, abs=1e-5)
+        assert rewards[0, 1].item() == 1.0 and len(set(rewards[:, 0].tolist())) == 4
+    assert functions[0].func._model.device.type == "cpu" and not any(
+        p.requires_grad for p in functions[0].func._model.parameters())
+
+    for entry, words in (("model:nowhere", "model:nowhere: "), (f"model:{path}", "not a sequence classifier")):
+        with pytest.raises(ConfigError, match=words):
+            load_reward_functions(SimpleNamespace(reward_funcs=[entry], reward_weights=None, reward_format_pattern=""),
+                                  base_dir=tmp_path)

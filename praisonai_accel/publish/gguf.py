@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
+from . import gguf_engine
 from .gguf_llamacpp import GGUFError, check_engine, converter_architectures, find_converter, vision_refusal
 from .gguf_vocab import stage_for_converter
 
@@ -123,8 +124,7 @@ def check_toolchain(methods: list[str], architecture: str | None, dequantize_bas
     from ..output_dirs import NotOurs, check_replaceable
 
     converter = find_converter()
-    if any(m not in CONVERTER_WRITES for m in methods):
-        check_engine()
+    check_engine()  # it quantizes, and checks every file's tokenizer
     if architecture is not None and architecture not in converter_architectures(converter):
         raise GGUFError(f"{architecture}: llama.cpp's converter ({converter.parent}) does not know this architecture; "
                         "it cannot be exported to GGUF")
@@ -220,23 +220,6 @@ def general_name(plan: ExportPlan, model_dir: Path) -> str:
     return name
 
 
-def quantize(source: Path, outfile: Path, method: str) -> Path:
-    """llama.cpp's quantizer, in a child process: its log stays out of ours, and a crash cannot take us down."""
-    _run([sys.executable, "-m", "praisonai_accel.publish.gguf", "quantize", str(source), str(outfile), method],
-         f"llama.cpp's quantizer ({method})")
-    return outfile
-
-
-def _quantize_here(source: str, outfile: str, method: str) -> int:
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{method.upper()}")
-    return llama_cpp.llama_model_quantize(source.encode(), outfile.encode(), ctypes.byref(params))
-
-
 def end_of_turn_fix(tokenizer) -> int | None:
     """The id of the token the chat template ends a reply with, when it is not the tokenizer's eos."""
     from ..data.chat_masking import end_of_turn_token
@@ -289,11 +272,27 @@ def set_metadata(converter: Path, gguf_file: Path, values: dict[str, tuple[str, 
     os.replace(rewritten, gguf_file)
 
 
-def export_gguf(plan: ExportPlan) -> list[Path]:
-    """Write one GGUF per method into plan.out_dir; returns their paths. Files appear complete or not at all."""
-    from ..output_dirs import MARKER
-
+def export_gguf(plan: ExportPlan, conversations: list[list[dict]] = ()) -> list[Path]:
+    """Write one GGUF per method into plan.out_dir; returns their paths. Files appear complete and checked
+    (gguf_verify: their tokenizer encodes `conversations`, rendered, and our own texts as the model's does) or not at
+    all, and a failed export removes the folders it made."""
+    made_dirs = [d for d in (plan.out_dir, *plan.out_dir.parents) if not d.exists()]
     plan.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _export(plan, conversations)
+    except BaseException:
+        for directory in made_dirs:  # innermost first; never one that holds anything now
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _export(plan: ExportPlan, conversations: list[list[dict]]) -> list[Path]:
+    from ..output_dirs import MARKER
+    from .gguf_verify import check_tokenizer, texts_to_check
+
     work = Path(tempfile.mkdtemp(prefix=".gguf-work-", dir=plan.out_dir))
     written: list[Path] = []
     try:
@@ -317,9 +316,14 @@ def export_gguf(plan: ExportPlan) -> list[Path]:
         for method in plan.methods:
             if method not in made:
                 log.info("gguf: quantizing to %s with llama.cpp's quantizer", method.upper())
-                made[method] = quantize(made[sixteen], work / f"{method}.gguf", method)
+                made[method] = work / f"{method}.gguf"
+                gguf_engine.quantize(made[sixteen], made[method], method)
+        named = {method: made[method].with_name(plan.target(method).name) for method in plan.methods}
+        for method in plan.methods:  # the names the user will see, in the error line too
+            os.replace(made[method], named[method])
+        check_tokenizer(list(named.values()), tokenizer, texts_to_check(tokenizer, conversations))
         for method in plan.methods:
-            os.replace(made[method], plan.target(method))
+            os.replace(named[method], plan.target(method))
             written.append(plan.target(method))
         marker = plan.out_dir / MARKER
         if not marker.exists():
@@ -375,7 +379,9 @@ def after_training(config: TrainConfig, final_dir: Path) -> list[str]:
     try:
         plan = plan_export(final_dir, config.quantization_method, config.output_path() / "gguf",
                            dequantize_base=config.finetune_type == "qlora", trust_remote_code=config.trust_remote_code)
-        files = export_gguf(plan)
+        from .gguf_verify import sample_conversations
+
+        files = export_gguf(plan, sample_conversations(config))
     except (GGUFError, OSError) as exc:
         return [f"gguf: {exc}"]
     for file in files:
@@ -416,16 +422,3 @@ def upload(config: TrainConfig, files: list[Path]) -> list[str]:
     print(f"praisonai-accel: uploaded {', '.join(f.name for f in files)} to {config.hub_model_id}", file=sys.stderr)
     return []
 
-
-def _main(argv: list[str]) -> int:
-    if len(argv) == 4 and argv[0] == "quantize":
-        code = _quantize_here(*argv[1:])
-        if code != 0:
-            print(f"error: llama_model_quantize returned {code}", file=sys.stderr)
-        return 1 if code else 0
-    print("usage: python -m praisonai_accel.publish.gguf quantize IN OUT METHOD", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

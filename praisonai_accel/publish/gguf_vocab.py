@@ -129,8 +129,9 @@ def sentencepiece_model(tokenizer_json: Path) -> bytes | None:
     try:
         from sentencepiece import SentencePieceProcessor
         from sentencepiece import sentencepiece_model_pb2 as pb
-    except ImportError:
-        log.info("gguf: sentencepiece is not installed; tokenizer.model cannot be rebuilt (pip install sentencepiece)")
+    except ImportError as exc:  # sentencepiece_model_pb2 needs protobuf too
+        log.info("gguf: %s is not installed; tokenizer.model cannot be rebuilt (pip install 'praisonai-accel[gguf]')",
+                 "protobuf" if "google" in str(exc) or "protobuf" in str(exc) else exc.name or "sentencepiece")
         return None
     model = data["model"]
     vocab: dict[str, int] = model["vocab"]

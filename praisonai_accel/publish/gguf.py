@@ -6,8 +6,9 @@ llama-cpp-python's `llama_model_quantize`, in a child process) makes every other
 The converter carries the tokenizer, the chat template and the special tokens into the GGUF's metadata; when the
 template ends a turn with a token other than eos, it is also written as the end-of-turn token, so an engine stops
 where the model was trained to stop. Every check (method names, converter, engine, architecture, output folder)
-runs before anything heavy; each file is written under a temporary name and renamed when complete, so a failed
-export leaves no half-written file. The rest of the package reaches this module through `commands/export.py` and
+runs before anything heavy; each file is written under a temporary name, its own tokenizer checked against the
+model's (gguf_verify.py, llama.cpp in a child: gguf_engine.py), and renamed when complete, so a failed export leaves
+no file, and no folder it made. The rest of the package reaches this module through `commands/export.py` and
 the one hook in train.py (`after_training`).
 """
 

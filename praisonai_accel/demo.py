@@ -1,7 +1,7 @@
 """A tiny local model and dataset, so the whole pipeline runs offline on a CPU in seconds.
 
-The model is a 2-layer Llama with random weights; the tokenizer (a BPE of SentencePiece's kind, which llama.cpp's
-converter takes) is trained here, on the demo data, with a ChatML chat template. Tests and `praisonai-accel demo` both build on this.
+The model is a 2-layer Llama with random weights; the tokenizer is trained here, on the demo
+data, with a ChatML chat template. Tests and `praisonai-accel demo` both build on this.
 """
 
 from __future__ import annotations
@@ -62,40 +62,22 @@ def write_jsonl(records: list[dict], path: Path) -> Path:
     return path
 
 
-FEWER_MERGES = 20
-
-
 def _train_tokenizer(texts: list[str], vocab_size: int):
-    """A BPE of SentencePiece's kind (spaces as ▁, unknown characters as their bytes), as Llama 2, Mistral and Phi-3
-    have: llama.cpp's converter takes such a vocabulary as a SentencePiece model (publish/gguf_vocab.py rebuilds
-    tokenizer.model from it), where a byte-level BPE trained here would be refused for its unknown pre-tokenizer.
-    `vocab_size` counts as for a byte-level BPE (256 bytes, 3 special tokens, the merges); FEWER_MERGES fewer merges
-    are learned, so names stay in pieces, which the tiny model learns to reverse best (measured on the demo, 250 steps:
-    96% held-out, 92% with 20 more merges, 6% with every name one token)."""
-    import json
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    byte_tokens = [f"<0x{value:02X}>" for value in range(256)]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    # learned within words, a word in the middle of a line with its ▁ and one after a newline or a special token
-    # without, as SentencePiece learns; applied across the whole text, as transformers 5 saves Llama's tokenizer
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size + 1 + len(set("".join(texts)) | {"\u2581"}) - FEWER_MERGES,  # <unk>, the characters seen
-        special_tokens=["<unk>", *SPECIAL_TOKENS, *byte_tokens],
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,  # it writes blank lines to the terminal's stdout directly, past Python
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    data = json.loads(tokenizer.to_str())  # the byte tokens stay in the vocabulary, not as added tokens
-    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in byte_tokens]
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(data)),
-        unk_token="<unk>",
+        tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHATML_TEMPLATE,

@@ -1,7 +1,7 @@
 """GGUF export, read back by real GGUF engines: llama.cpp (llama-cpp-python) and transformers' GGUF loader.
 
-Models are tiny, with the real Phi-3 tokenizer (a tokenizer trained on the spot would be refused by the converter,
-which recognises BPE pre-tokenizers by hash), in two architectures, each with a LoRA adapter of non-zero weights.
+Models are tiny, with the real Phi-3 tokenizer, in two architectures, each with a LoRA adapter of non-zero weights;
+and the demo's model, whose tokenizer was trained on the spot. llama.cpp itself only ever runs in child processes.
 """
 
 from __future__ import annotations
@@ -372,8 +372,9 @@ def test_a_crash_inside_llama_cpp_is_one_line_and_the_export_process_lives(tmp_p
 
 @needs_engine
 def test_demo_then_export_gguf_then_generate_from_it_offline(tmp_path, converter):
-    """The demo's tokenizer is one llama.cpp's converter takes (a SentencePiece-kind BPE): the trained demo model
-    exports, its GGUF's tokenizer checks out, and llama.cpp's greedy answers are the safetensors model's."""
+    """The demo's tokenizer (trained on the spot, GPT-2's byte-level pre-tokenizer, a hash llama.cpp's converter cannot
+    know) is named to the converter: the trained demo model exports, its GGUF's tokenizer checks out, and llama.cpp's
+    greedy answers are the safetensors model's."""
     from praisonai_accel.demo import task_records
 
     env = cpu_env(LLAMA_CPP_CONVERTER=str(converter))

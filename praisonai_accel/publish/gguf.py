@@ -197,10 +197,34 @@ def _run(args: list[str], what: str) -> None:
         raise GGUFError(f"{what} failed: {(errors or lines or ['exit code %d' % done.returncode])[-1].strip()}")
 
 
+# The converter run as itself, except that a pre-tokenizer it does not recognise by hash is named by us (a byte-level
+# BPE trained on the spot with GPT-2's pre-tokenizer); the tokenizer check after the export holds it to that.
+_CONVERT = """
+import runpy, sys
+from pathlib import Path
+script, pre = sys.argv[1], sys.argv[2]
+sys.argv = [script, *sys.argv[3:]]
+sys.path[:0] = [str(Path(script).parent)]
+if pre:
+    from conversion import base
+    recognised = base.TextModel.get_vocab_base_pre
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return recognised(self, tokenizer)
+        except NotImplementedError:
+            return pre
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def convert(converter: Path, model_dir: Path, outfile: Path, outtype: str, name: str) -> Path:
+    from .gguf_vocab import byte_level_pre_tokenizer
+
+    pre = byte_level_pre_tokenizer(model_dir / "tokenizer.json") or ""
     try:
-        _run([sys.executable, str(converter), str(model_dir), "--outfile", str(outfile), "--outtype", outtype,
-              "--model-name", name], f"llama.cpp's converter ({outtype})")
+        _run([sys.executable, "-c", _CONVERT, str(converter), pre, str(model_dir), "--outfile", str(outfile),
+              "--outtype", outtype, "--model-name", name], f"llama.cpp's converter ({outtype})")
     except GGUFError as exc:
         if "BPE pre-tokenizer was not recognized" in str(exc):
             raise GGUFError(f"llama.cpp's converter ({outtype}) does not recognise this tokenizer's BPE pre-tokenizer "

@@ -71,7 +71,7 @@ def chat_command(
 
 
 def generate_command(
-    path: Path = typer.Argument(..., help="adapter directory, merged model, or training output_dir"),
+    path: Path = typer.Argument(..., help="adapter directory, merged model, training output_dir, or a .gguf file"),
     prompt: List[str] = typer.Option(..., "--prompt", "-p", help="a prompt; repeat for several"),
     system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
@@ -80,10 +80,32 @@ def generate_command(
     image: Optional[List[Path]] = typer.Option(
         None, "--image", help="an image file each prompt is about (a vision-language model); repeat for several"),
 ) -> None:
-    """Answer each --prompt once, one reply per line."""
-    from ..inference import generate
+    """Answer each --prompt once, one reply per line. A .gguf file is run by llama.cpp, in a child process."""
+    conversations = [([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+                     for text in prompt]
+    if path.suffix.lower() == ".gguf":
+        replies = _generate_from_gguf(path, conversations, max_new_tokens, temperature, image)
+    else:
+        from ..inference import generate
 
-    model, tokenizer, images = _load(path, trust_remote_code, image)
-    for text in prompt:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        typer.echo(generate(model, tokenizer, messages, max_new_tokens, temperature, images=images).replace("\n", " "))
+        model, tokenizer, images = _load(path, trust_remote_code, image)
+        replies = [generate(model, tokenizer, messages, max_new_tokens, temperature, images=images)
+                   for messages in conversations]
+    for reply in replies:
+        typer.echo(reply.replace("\n", " "))
+
+
+def _generate_from_gguf(path: Path, conversations: list[list[dict]], max_new_tokens: int, temperature: float,
+                        image) -> list[str]:
+    from ..publish.gguf_engine import generate as generate_from_gguf
+    from ..publish.gguf_llamacpp import GGUFError, check_engine
+
+    if image:
+        fail(f"--image: {path} is a GGUF file, which our GGUF path keeps text-only; use the safetensors model")
+    if not path.is_file():
+        fail(f"{path}: no such GGUF file")
+    try:
+        check_engine()
+        return generate_from_gguf(path, conversations, max_new_tokens, temperature)
+    except GGUFError as exc:
+        fail(str(exc))

@@ -6,8 +6,9 @@ llama-cpp-python's `llama_model_quantize`, in a child process) makes every other
 The converter carries the tokenizer, the chat template and the special tokens into the GGUF's metadata; when the
 template ends a turn with a token other than eos, it is also written as the end-of-turn token, so an engine stops
 where the model was trained to stop. Every check (method names, converter, engine, architecture, output folder)
-runs before anything heavy; each file is written under a temporary name and renamed when complete, so a failed
-export leaves no half-written file. The rest of the package reaches this module through `commands/export.py` and
+runs before anything heavy; each file is written under a temporary name, its own tokenizer checked against the
+model's (gguf_verify.py, llama.cpp in a child: gguf_engine.py), and renamed when complete, so a failed export leaves
+no file, and no folder it made. The rest of the package reaches this module through `commands/export.py` and
 the one hook in train.py (`after_training`).
 """
 
@@ -19,7 +20,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
+from . import gguf_engine
 from .gguf_llamacpp import GGUFError, check_engine, converter_architectures, find_converter, vision_refusal
+from .gguf_convert import convert, set_metadata
 from .gguf_vocab import stage_for_converter
 
 log = logging.getLogger("praisonai_accel")
@@ -123,8 +125,7 @@ def check_toolchain(methods: list[str], architecture: str | None, dequantize_bas
     from ..output_dirs import NotOurs, check_replaceable
 
     converter = find_converter()
-    if any(m not in CONVERTER_WRITES for m in methods):
-        check_engine()
+    check_engine()  # it quantizes, and checks every file's tokenizer
     if architecture is not None and architecture not in converter_architectures(converter):
         raise GGUFError(f"{architecture}: llama.cpp's converter ({converter.parent}) does not know this architecture; "
                         "it cannot be exported to GGUF")
@@ -188,27 +189,6 @@ def tokenizer_sources(plan: ExportPlan) -> list[Path]:
     return [plan.source, _base_model_dir(base_model_of(plan.source))]
 
 
-def _run(args: list[str], what: str) -> None:
-    done = subprocess.run(args, capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        errors = [line for line in lines if re.search(r"error|exception|not supported", line, re.IGNORECASE)]
-        raise GGUFError(f"{what} failed: {(errors or lines or ['exit code %d' % done.returncode])[-1].strip()}")
-
-
-def convert(converter: Path, model_dir: Path, outfile: Path, outtype: str, name: str) -> Path:
-    try:
-        _run([sys.executable, str(converter), str(model_dir), "--outfile", str(outfile), "--outtype", outtype,
-              "--model-name", name], f"llama.cpp's converter ({outtype})")
-    except GGUFError as exc:
-        if "BPE pre-tokenizer was not recognized" in str(exc):
-            raise GGUFError(f"llama.cpp's converter ({outtype}) does not recognise this tokenizer's BPE pre-tokenizer "
-                            "(it knows them by the hash of a fixed text's tokens: a tokenizer trained on the spot, or "
-                            "newer than this llama.cpp, has none it knows)") from None
-        raise
-    return outfile
-
-
 def general_name(plan: ExportPlan, model_dir: Path) -> str:
     """general.name: the base model's name and the trained folder's, e.g. Phi-3-mini-4k-instruct-lora_model."""
     from .gguf_vocab import strips_after_special_tokens
@@ -220,23 +200,6 @@ def general_name(plan: ExportPlan, model_dir: Path) -> str:
     return name
 
 
-def quantize(source: Path, outfile: Path, method: str) -> Path:
-    """llama.cpp's quantizer, in a child process: its log stays out of ours, and a crash cannot take us down."""
-    _run([sys.executable, "-m", "praisonai_accel.publish.gguf", "quantize", str(source), str(outfile), method],
-         f"llama.cpp's quantizer ({method})")
-    return outfile
-
-
-def _quantize_here(source: str, outfile: str, method: str) -> int:
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{method.upper()}")
-    return llama_cpp.llama_model_quantize(source.encode(), outfile.encode(), ctypes.byref(params))
-
-
 def end_of_turn_fix(tokenizer) -> int | None:
     """The id of the token the chat template ends a reply with, when it is not the tokenizer's eos."""
     from ..data.chat_masking import end_of_turn_token
@@ -245,25 +208,6 @@ def end_of_turn_fix(tokenizer) -> int | None:
     if token is None or token == tokenizer.eos_token:
         return None
     return tokenizer.convert_tokens_to_ids(token)
-
-
-# gguf-py's own gguf_new_metadata.copy_with_new_metadata, run beside the converter: a copy of the file with some keys set.
-_SET_METADATA = """
-import json, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-sys.path[:0] = [str(root / "gguf-py"), str(root / "gguf-py" / "gguf" / "scripts")]
-import gguf
-from gguf_new_metadata import MetadataDetails, copy_with_new_metadata, get_field_data
-source, target, values = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-reader = gguf.GGUFReader(source, "r")
-writer = gguf.GGUFWriter(target, arch=get_field_data(reader, gguf.Keys.General.ARCHITECTURE), endianess=reader.endianess)
-alignment = get_field_data(reader, gguf.Keys.General.ALIGNMENT)
-if alignment is not None:
-    writer.data_alignment = alignment
-copy_with_new_metadata(reader, writer, {key: MetadataDetails(getattr(gguf.GGUFValueType, kind), value)
-                                        for key, (kind, value) in values.items()}, [])
-"""
 
 
 def tokenizer_metadata(tokenizer, model_dir: Path) -> dict[str, tuple[str, object]]:
@@ -282,18 +226,27 @@ def tokenizer_metadata(tokenizer, model_dir: Path) -> dict[str, tuple[str, objec
     return values
 
 
-def set_metadata(converter: Path, gguf_file: Path, values: dict[str, tuple[str, object]]) -> None:
-    rewritten = gguf_file.with_name(gguf_file.name + ".meta")
-    _run([sys.executable, "-c", _SET_METADATA, str(converter.parent), str(gguf_file), str(rewritten), json.dumps(values)],
-         "writing the tokenizer's metadata")
-    os.replace(rewritten, gguf_file)
-
-
-def export_gguf(plan: ExportPlan) -> list[Path]:
-    """Write one GGUF per method into plan.out_dir; returns their paths. Files appear complete or not at all."""
-    from ..output_dirs import MARKER
-
+def export_gguf(plan: ExportPlan, conversations: list[list[dict]] = ()) -> list[Path]:
+    """Write one GGUF per method into plan.out_dir; returns their paths. Files appear complete and checked
+    (gguf_verify: their tokenizer encodes `conversations`, rendered, and our own texts as the model's does) or not at
+    all, and a failed export removes the folders it made."""
+    made_dirs = [d for d in (plan.out_dir, *plan.out_dir.parents) if not d.exists()]
     plan.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _export(plan, conversations)
+    except BaseException:
+        for directory in made_dirs:  # innermost first; never one that holds anything now
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _export(plan: ExportPlan, conversations: list[list[dict]]) -> list[Path]:
+    from ..output_dirs import MARKER
+    from .gguf_verify import check_tokenizer, texts_to_check
+
     work = Path(tempfile.mkdtemp(prefix=".gguf-work-", dir=plan.out_dir))
     written: list[Path] = []
     try:
@@ -317,9 +270,14 @@ def export_gguf(plan: ExportPlan) -> list[Path]:
         for method in plan.methods:
             if method not in made:
                 log.info("gguf: quantizing to %s with llama.cpp's quantizer", method.upper())
-                made[method] = quantize(made[sixteen], work / f"{method}.gguf", method)
+                made[method] = work / f"{method}.gguf"
+                gguf_engine.quantize(made[sixteen], made[method], method)
+        named = {method: made[method].with_name(plan.target(method).name) for method in plan.methods}
+        for method in plan.methods:  # the names the user will see, in the error line too
+            os.replace(made[method], named[method])
+        check_tokenizer(list(named.values()), tokenizer, texts_to_check(tokenizer, conversations))
         for method in plan.methods:
-            os.replace(made[method], plan.target(method))
+            os.replace(named[method], plan.target(method))
             written.append(plan.target(method))
         marker = plan.out_dir / MARKER
         if not marker.exists():
@@ -375,7 +333,9 @@ def after_training(config: TrainConfig, final_dir: Path) -> list[str]:
     try:
         plan = plan_export(final_dir, config.quantization_method, config.output_path() / "gguf",
                            dequantize_base=config.finetune_type == "qlora", trust_remote_code=config.trust_remote_code)
-        files = export_gguf(plan)
+        from .gguf_verify import sample_conversations
+
+        files = export_gguf(plan, sample_conversations(config))
     except (GGUFError, OSError) as exc:
         return [f"gguf: {exc}"]
     for file in files:
@@ -416,16 +376,3 @@ def upload(config: TrainConfig, files: list[Path]) -> list[str]:
     print(f"praisonai-accel: uploaded {', '.join(f.name for f in files)} to {config.hub_model_id}", file=sys.stderr)
     return []
 
-
-def _main(argv: list[str]) -> int:
-    if len(argv) == 4 and argv[0] == "quantize":
-        code = _quantize_here(*argv[1:])
-        if code != 0:
-            print(f"error: llama_model_quantize returned {code}", file=sys.stderr)
-        return 1 if code else 0
-    print("usage: python -m praisonai_accel.publish.gguf quantize IN OUT METHOD", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

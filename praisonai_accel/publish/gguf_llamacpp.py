@@ -134,11 +134,16 @@ def converter_architectures(script: Path) -> set[str]:
 
 
 def check_engine() -> None:
-    """llama-cpp-python must import: it quantizes, and the tests read the files with it."""
+    """llama-cpp-python must import: it quantizes, checks every exported file's tokenizer, and generates from it."""
     probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if probe.returncode < 0:
+        from .gguf_engine import crash_line
+
+        raise GGUFError(crash_line("loading", -probe.returncode))
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["not installed"])[-1]
-        raise GGUFError(f"GGUF quantization needs llama-cpp-python, which cannot be imported ({tail}); {INSTALL_HINT}")
+        raise GGUFError(f"llama-cpp-python, which quantizes, checks and runs GGUF files, cannot be imported ({tail}); "
+                        f"{INSTALL_HINT}")
 
 
 TEXT_ONLY = ("our GGUF / Ollama path is text-only: it converts the language model alone, without the vision tower "

@@ -129,8 +129,9 @@ def sentencepiece_model(tokenizer_json: Path) -> bytes | None:
     try:
         from sentencepiece import SentencePieceProcessor
         from sentencepiece import sentencepiece_model_pb2 as pb
-    except ImportError:
-        log.info("gguf: sentencepiece is not installed; tokenizer.model cannot be rebuilt (pip install sentencepiece)")
+    except ImportError as exc:  # sentencepiece_model_pb2 needs protobuf too
+        log.info("gguf: %s is not installed; tokenizer.model cannot be rebuilt (pip install 'praisonai-accel[gguf]')",
+                 "protobuf" if "google" in str(exc) or "protobuf" in str(exc) else exc.name or "sentencepiece")
         return None
     model = data["model"]
     vocab: dict[str, int] = model["vocab"]
@@ -176,3 +177,19 @@ def sentencepiece_model(tokenizer_json: Path) -> bytes | None:
                  "reads tokenizer.json itself")
         return None
     return blob
+
+
+def byte_level_pre_tokenizer(tokenizer_json: Path) -> str | None:
+    """"gpt-2" for a BPE that pre-tokenizes exactly as GPT-2 does (ByteLevel with its regex, no prefix space, no
+    normalizer), as the demo's tokenizer trained on the spot does. llama.cpp's converter knows pre-tokenizers only by
+    the hash of a fixed text's tokens, which depends on the vocabulary, so it refuses such a tokenizer; told the name,
+    it writes a GGUF whose tokenizer gguf_verify then checks against this one."""
+    try:
+        data = json.loads(Path(tokenizer_json).read_text())
+    except (OSError, ValueError):
+        return None
+    pre = data.get("pre_tokenizer") or {}
+    if ((data.get("model") or {}).get("type") == "BPE" and data.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space") and pre.get("use_regex", True)):
+        return "gpt-2"
+    return None

@@ -14,6 +14,9 @@ PRAISONAI_ACCEL_TEST_MONITOR_INTERVAL=S     torchrun's agent looks at its worker
                                             fail within S of each other are noticed together, ordered by rank
 PRAISONAI_ACCEL_TEST_LAUNCHER_IMPORTS=FILE  the `praisonai-accel` process writes, as it exits, whether it imported
                                             transformers
+PRAISONAI_ACCEL_TEST_LLAMA_CPP_CRASH=OP     the llama.cpp child (publish/gguf_engine.serve) dies of a segmentation
+                                            fault as it starts OP (tokenize, quantize, generate)
+PRAISONAI_ACCEL_TEST_HIDE_MODULE=NAME       importing NAME (and its submodules) fails, as if it were not installed
 """
 
 import importlib.abc
@@ -28,6 +31,8 @@ _SLOW_MICRO_BATCH = float(os.environ.get("PRAISONAI_ACCEL_TEST_SLOW_MICRO_BATCH"
 _PREFLIGHT = os.environ.get("PRAISONAI_ACCEL_TEST_PREFLIGHT", "")
 _LAUNCHER_IMPORTS = os.environ.get("PRAISONAI_ACCEL_TEST_LAUNCHER_IMPORTS", "")
 _MONITOR_INTERVAL = os.environ.get("PRAISONAI_ACCEL_TEST_MONITOR_INTERVAL", "")
+_LLAMA_CPP_CRASH = os.environ.get("PRAISONAI_ACCEL_TEST_LLAMA_CPP_CRASH", "")
+_HIDE_MODULE = os.environ.get("PRAISONAI_ACCEL_TEST_HIDE_MODULE", "")
 
 
 def _rank0() -> bool:
@@ -121,11 +126,21 @@ def _patch_agent(module) -> None:
     module.WorkerSpec.__post_init__ = __post_init__
 
 
+def _patch_llama_cpp_child(module) -> None:
+    def crash(request):
+        import ctypes
+
+        ctypes.string_at(0)  # a real segmentation fault, as llama.cpp's would be
+
+    module.OPS[_LLAMA_CPP_CRASH] = crash
+
+
 _PATCHES = {name: patch for name, patch, wanted in (
     ("accelerate.accelerator", _patch_accelerator, _SPEC), ("praisonai_accel.worker.checkpoint", _patch_checkpoint, _SPEC),
     ("praisonai_accel.data.preprocess", _patch_data, _PREPROCESS), ("praisonai_accel.methods.lm_loss", _patch_loss, _HANG or _SLOW_MICRO_BATCH),
     ("praisonai_accel.worker.preflight", _patch_preflight, _PREFLIGHT),
     ("torch.distributed.elastic.agent.server.api", _patch_agent, _MONITOR_INTERVAL),
+    ("praisonai_accel.publish.gguf_engine", _patch_llama_cpp_child, _LLAMA_CPP_CRASH),
 ) if wanted}
 
 
@@ -155,6 +170,17 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == _HIDE_MODULE or name.startswith(_HIDE_MODULE + "."):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return None
+
+
+if _HIDE_MODULE:
+    sys.meta_path.insert(0, _Hidden())
 
 
 def _record_launcher_imports() -> None:

@@ -177,7 +177,7 @@ def make_architecture(directory: Path, kind: str) -> Path:
 
 # The modules with the most real training runs, slowest first. `pytest -n 2 --dist loadfile` hands whole modules
 # to the two workers in collection order; starting with the longest ones lets both workers finish together.
-SLOWEST_MODULES = ["test_preference_runs.py", "test_multinode.py", "test_sequence_parallel_runs.py", "test_gguf.py", "test_serve.py", "test_checkpoint.py", "test_training.py", "test_run_failures.py", "test_publish.py",
+SLOWEST_MODULES = ["test_preference_runs.py", "test_multinode.py", "test_sequence_parallel_runs.py", "test_gguf.py", "test_reward_runs.py", "test_serve.py", "test_eval.py", "test_checkpoint.py", "test_training.py", "test_run_failures.py", "test_publish.py",
                    "test_fsdp.py", "test_security.py", "test_user_experience.py", "test_features.py",
                    "test_vision_runs.py", "test_qlora.py", "test_launch.py", "test_vision_demo.py",
                    "test_vision_publish.py"]

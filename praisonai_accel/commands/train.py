@@ -117,8 +117,9 @@ def train_command(
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
+    rows_checked = check_rows_before_launch(cfg)
     hold_run_lock(cfg, nodes)  # after every check: a refused launch writes nothing, not even output_dir
-    preprocess_beside_workers(cfg, status)
+    preprocess_beside_workers(cfg, status, rows_checked)
     where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
     typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)
     try:
@@ -164,39 +165,57 @@ def hold_run_lock(cfg, nodes) -> None:
         fail(first_line(exc))
 
 
-def preprocess_beside_workers(cfg, status: Path) -> None:
-    """Tokenize in this process while the workers start (importing torch and loading the model takes them longer
-    than a small dataset takes here); they wait for it through the status file (handoff.py), never in a collective
-    that would time out on a large dataset. A failure reaches the console once, through rank 0."""
+def check_rows_before_launch(cfg):
+    """Every row checked against its format here, before a worker starts or anything is written (a bad row is one
+    line and exit 2): (tokenizer, the method's data half) for the tokenizing that follows, or None when the cache
+    already holds these datasets (their rows were checked when it was built)."""
     import sys
-    import threading
 
-    from ..data import DataError, cached_for_inputs, load_datasets, load_tokenizer
-    from ..handoff import write_preprocessing_status
+    from ..data import DataError, cached_for_inputs, check_rows, load_tokenizer
     from ..logs import quiet_datasets
     from ..methods import method_for
     from ._common import cannot_load_tokenizer
 
-    write_preprocessing_status(status, "running")
+    if cached_for_inputs(cfg):
+        return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
     quiet_datasets(progress=sys.stderr.isatty())
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except DataError:
+        raise  # already one line (one_line_errors)
+    except Exception as exc:
+        fail(cannot_load_tokenizer(cfg, exc))
+    method_data = method_for(cfg).data(tokenizer)
+    try:
+        check_rows(cfg, method_data)
+    except DataError:
+        raise
+    except Exception as exc:  # a file the datasets library cannot read, say
+        fail(f"preprocessing: {type(exc).__name__}: {first_line(exc)}")
+    return tokenizer, method_data
+
+
+def preprocess_beside_workers(cfg, status: Path, rows_checked) -> None:
+    """Tokenize in this process while the workers start (importing torch and loading the model takes them longer
+    than a small dataset takes here); they wait for it through the status file (handoff.py), never in a collective
+    that would time out on a large dataset. A failure reaches the console once, through rank 0."""
+    import threading
+
+    from ..data import DataError, load_datasets
+    from ..handoff import write_preprocessing_status
+
+    write_preprocessing_status(status, "running")
 
     def work() -> None:
-        if cached_for_inputs(cfg):
+        if rows_checked is None:
             write_preprocessing_status(status, "done", cached=True)
             return
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
+        tokenizer, method_data = rows_checked
         try:
-            tokenizer = load_tokenizer(cfg)
-        except DataError as exc:
-            write_preprocessing_status(status, "failed", str(exc))
-            return
-        except Exception as exc:
-            write_preprocessing_status(status, "failed", cannot_load_tokenizer(cfg, exc))
-            return
-        try:
-            cached = load_datasets(cfg, tokenizer, method_for(cfg).data(tokenizer))[2]
+            cached = load_datasets(cfg, tokenizer, method_data)[2]
         except DataError as exc:
             write_preprocessing_status(status, "failed", str(exc))
         except Exception as exc:

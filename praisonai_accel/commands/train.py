@@ -54,7 +54,7 @@ def train_command(
     accelerate_config: Optional[Path] = typer.Option(None, "--accelerate-config", help="use this accelerate config file as is (DeepSpeed, custom FSDP)"),
     verbose: bool = typer.Option(False, "--verbose", help="show the libraries' own output (progress bars, per-rank warnings)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and launch command, run nothing"),
-    ray: bool = typer.Option(False, "--ray", help="run the workers as a Ray Train TorchTrainer (pip install 'praisonai-accel[ray]')"),
+    ray: bool = typer.Option(False, "--ray", help="run the workers as a Ray Train TorchTrainer; needs the ray extra: pip install 'praisonai-accel\\[ray]'"),  # \\[: rich reads [ray] as markup
     num_workers: int = typer.Option(2, "--num-workers", min=1, help="Ray Train workers (processes), with --ray"),
     address: Optional[str] = typer.Option(None, "--address", help="a running Ray cluster's address, with --ray (default: a local one)"),
 ) -> None:
@@ -106,8 +106,11 @@ def train_command(
     groups = plan.num_processes // cfg.sequence_parallel_size  # a sequence-parallel group trains one row at a time
     effective = f"{per_device} x {accum} x {groups} = {per_device * accum * groups}"
     if dry_run:
-        typer.echo("# resolved config")
-        typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+        shown = keys_shown(cfg, declares_images(cfg))
+        left_out = len(cfg.model_dump()) - len(shown)
+        typer.echo("# resolved config" + (f" ({left_out} keys at their default that this run does not read left out)"
+                                          if left_out else ""))
+        typer.echo(yaml.safe_dump(shown, sort_keys=False).rstrip())
         typer.echo(f"# processes: {plan.num_processes}" + (f" ({per_node} per node x {nodes.count} nodes)" if nodes.count > 1 else ""))
         typer.echo(f"# effective batch (per device x accumulation x processes): {effective}")
         typer.echo(f"# start: {start}")
@@ -127,6 +130,54 @@ def train_command(
     finally:
         status.unlink(missing_ok=True)
     raise typer.Exit(code)
+
+
+def keys_the_method_does_not_read(cfg) -> set[str]:
+    """The method keys (methods/method_keys.py's tables) that the run's method and loss_type do not read: the one
+    place --dry-run asks."""
+    from ..methods.method_keys import KEYS_BY_METHOD, METHOD_KEYS
+
+    unread = set(METHOD_KEYS) - KEYS_BY_METHOD[cfg.method]
+    if cfg.loss_type not in ("robust", "simpo"):
+        unread.add("label_smoothing")
+    if cfg.loss_type != "simpo":
+        unread.add("simpo_gamma")
+    return unread
+
+
+# Keys that only mean something when another key says so: (the keys, whether this run reads them).
+_DEPENDENT_KEYS = (
+    (("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_bias", "use_rslora"), lambda c: c.uses_lora),
+    (("hub_strategy", "hub_private"), lambda c: c.push_to_hub or c.huggingface_save_gguf),
+    (("ollama_base", "ollama_push"), lambda c: bool(c.ollama_model)),
+    (("quantization_method", "huggingface_save_gguf", "ollama_save"), lambda c: c.save_gguf),
+    (("save_steps", "save_total_limit"), lambda c: c.save_strategy != "no"),
+    (("eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "metric_for_best_model",
+      "greater_is_better", "early_stopping_patience", "early_stopping_threshold"), lambda c: c.eval_strategy != "no"),
+    (("tiled_mlp_shards",), lambda c: c.tiled_mlp),
+    (("group_by_length_window",), lambda c: c.group_by_length),
+)
+
+
+def keys_shown(cfg, takes_images: bool | None) -> dict:
+    """The resolved config as --dry-run prints it: every key this run reads, and every key written with another
+    value than its default; keys at their default that the method, the model (no images) or the settings leave
+    unread are left out."""
+    from ..config_vision import VISION_KEYS
+
+    unread = keys_the_method_does_not_read(cfg)
+    if takes_images is False:
+        unread |= set(VISION_KEYS)
+    for keys, read in _DEPENDENT_KEYS:
+        if not read(cfg):
+            unread |= set(keys)
+    fields = type(cfg).model_fields
+
+    def at_default(key: str) -> bool:
+        value, default = getattr(cfg, key), fields[key].default
+        return value == default or value == [default]  # quantization_method: validated into a list
+
+    return {key: value for key, value in cfg.model_dump(mode="json").items() if key not in unread or not at_default(key)}
 
 
 def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cpu: bool, max_restarts: int,

@@ -84,13 +84,16 @@ def _exit_codes():
     ]
 
 
-def _message(exc: BaseException) -> str:
+def _message(exc: BaseException, env: DistEnv | None = None) -> str:
+    from ..methods.rewards import RewardError
     from .failures import Preempted
 
     if isinstance(exc, KeyboardInterrupt):
         return "praisonai-accel: interrupted; re-run the same command to resume from the last checkpoint"
     if isinstance(exc, Preempted):
         return f"praisonai-accel: {exc}; re-run the same command to resume"
+    if isinstance(exc, RewardError) and env is not None and env.world_size > 1:  # the row was in this rank's batch
+        return f"error: rank {env.rank}: {exc}"
     return f"error: {exc}"
 
 
@@ -145,7 +148,7 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
             else:
                 speaks = (env.local_rank if speaker == "local rank 0" else env.rank) == 0
             if speaks:
-                print(_message(exc), file=sys.stderr)
+                print(_message(exc, env), file=sys.stderr)
             if close:
                 _close_process_group(wait_for_others=False)
             return code

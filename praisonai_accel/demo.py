@@ -154,6 +154,22 @@ def exact_match(answers: list[str], records: list[dict]) -> float:
     return sum(a == r["output"] for a, r in zip(answers, records)) / max(len(records), 1)
 
 
+def shown_prompt(record: dict) -> str:
+    """The prompt exactly as it is trained and asked (demo_prompt's text, the blank line visible as \\n\\n), so what
+    a user types into `generate` is what the model learned."""
+    return repr(demo_prompt(record)[0]["content"])
+
+
+def examples_to_show(answers: list[str], expected: list[str], count: int = 3) -> list[int]:
+    """Which held-out examples a demo shows: right and wrong answers in about the proportion the accuracy has, at
+    least one of each where there is one, so the examples never look better (or worse) than the score."""
+    right = [i for i, (a, e) in enumerate(zip(answers, expected)) if a == e]
+    wrong = [i for i in range(len(expected)) if i not in set(right)]
+    rights = round(count * len(right) / max(len(expected), 1))
+    rights = min(max(rights, 1 if right else 0, count - len(wrong)), count - (1 if wrong else 0), len(right))
+    return sorted(right[:rights] + wrong[:count - rights])
+
+
 def demo_config(model_dir: Path, data_path: Path, output_dir: Path, **overrides) -> dict:
     config = {
         "model_name": str(model_dir),

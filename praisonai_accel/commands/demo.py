@@ -68,9 +68,18 @@ def demo_command(
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict) -> None:
     from ..demo import exact_match
 
-    for record, old, new in list(zip(held_out, before, after))[:SHOWN]:
-        typer.echo(f"{record['instruction']}: {record['input']}\n  before: {old or '(nothing)'}\n  after:  {new}"
-                   f"   (expected: {record['output']})")
+    show_examples(held_out, before, after)
     typer.echo(f"exact-match accuracy on {len(held_out)} held-out prompts: {exact_match(before, held_out):.0%} before, "
                f"{exact_match(after, held_out):.0%} after {summary['global_step']} steps on "
                f"{summary['num_processes']} processes; model in {summary['final_model_dir']}")
+
+
+def show_examples(held_out: list[dict], before: list[str], after: list[str]) -> None:
+    """A few held-out prompts as trained (demo.shown_prompt), right and wrong answers after training in about the
+    proportion the accuracy has (demo.examples_to_show), each marked."""
+    from ..demo import examples_to_show, shown_prompt
+
+    for i in examples_to_show(after, [r["output"] for r in held_out], SHOWN):
+        record, verdict = held_out[i], "right" if after[i] == held_out[i]["output"] else "wrong"
+        typer.echo(f"prompt: {shown_prompt(record)}\n  before: {before[i] or '(nothing)'}\n  after:  {after[i]}"
+                   f"   ({verdict}; expected: {record['output']})")

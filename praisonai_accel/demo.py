@@ -193,23 +193,17 @@ def demo_config(model_dir: Path, data_path: Path, output_dir: Path, **overrides)
     return config
 
 
-def preference_records(records: list[dict]) -> list[dict]:
-    """DPO pairs on the reverse-the-words task with two valid answers: the names reversed and joined by commas
-    (chosen) or by spaces (rejected, the SFT demo's way). TRL's conversational prompt / chosen / rejected."""
-    return [{"prompt": demo_prompt(r),
-             "chosen": [{"role": "assistant", "content": ", ".join(r["output"].split())}],
-             "rejected": [{"role": "assistant", "content": r["output"]}]} for r in records]
-
-
 def completion_logps(model, tokenizer, prompt: list[dict], completions: list[str]) -> list[float]:
-    """The summed log-probability of each completion's tokens after the chat-templated prompt."""
+    """The summed log-probability of each completion's tokens after the chat-templated prompt, its end of turn
+    included (as DPO trains it: an answer that stops early is a different answer, not a prefix of the longer one)."""
     import torch
 
     prefix = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     start = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
     out = []
     for completion in completions:
-        ids = tokenizer(prefix + completion, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
+        text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
         with torch.no_grad():
             logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
         targets = ids[0, 1:]

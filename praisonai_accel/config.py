@@ -6,7 +6,6 @@ print it and exit 2 without a traceback.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
@@ -16,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .config_errors import describe_errors
 from .config_keys import (CheckpointKeys, DataKeys, DatasetSpec, EvalKeys, FinetuneKeys, GGUFKeys,
                           LossAndLengthKeys, ModelKeys, OptimizerKeys, OutputKeys, ProcessKeys, PublishKeys)
 from .config_method import MethodKeys
@@ -30,7 +30,7 @@ MULTI_DEVICE_MAPS = {"auto", "balanced", "balanced_low_0", "sequential"}
 # Keys of the original PraisonAI train config, accepted under their old names.
 KEY_ALIASES = {"split_type": "split", "hf_model_name": "hub_model_id", "random_state": "seed",
                "huggingface_save": "push_to_hub"}
-SECRET_KEYS = {"hub_token", "hf_token", "token", "huggingface_token"}
+SECRET_KEYS = {"hub_token", "hf_token", "token", "huggingface_token", "hf_hub_token"}  # hf_hub_token: LLaMA-Factory
 
 
 # Keys that may change between an interrupted run and its resumption without making it another run.
@@ -190,72 +190,6 @@ class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, L
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_EXPECTED_BY_ERROR = {
-    "float_parsing": "a number",
-    "float_type": "a number",
-    "int_parsing": "an integer",
-    "int_type": "an integer",
-    "int_from_float": "an integer",
-    "bool_parsing": "true or false",
-    "bool_type": "true or false",
-    "string_type": "a string",
-    "list_type": "a list",
-    "dict_type": "a mapping",
-    "model_type": "a mapping",
-    "model_attributes_type": "a mapping",
-}
-
-
-def _key_path(loc: tuple) -> str:
-    fields = set(TrainConfig.model_fields) | set(DatasetSpec.model_fields)
-    path = ""
-    for item in loc:
-        if isinstance(item, int):
-            path += f"[{item}]"
-        elif item in fields or not path:
-            path += f".{item}" if path else str(item)
-        # anything else is pydantic naming a union member, which the user never wrote
-    return path or "config"
-
-
-def _known_keys(loc: tuple) -> list[str]:
-    model: type[BaseModel] = TrainConfig
-    if loc and loc[0] in ("dataset", "eval_dataset"):
-        model = DatasetSpec
-    return list(model.model_fields)
-
-
-def _expected(error: dict) -> str | None:
-    if error["type"] in _EXPECTED_BY_ERROR:
-        return _EXPECTED_BY_ERROR[error["type"]]
-    if error["type"] == "literal_error":
-        return f"one of {error['ctx']['expected']}"
-    return None
-
-
-def _describe(errors: list[dict]) -> str:
-    # Prefer errors that are not type mismatches: unions report one mismatch per member.
-    error = next((e for e in errors if e["type"] in ("extra_forbidden", "missing", "value_error")), errors[0])
-    loc = tuple(error["loc"])
-    kind = error["type"]
-    key = _key_path(loc)
-    if kind == "extra_forbidden":
-        key = f"{_key_path(loc[:-1])}.{loc[-1]}" if len(loc) > 1 else str(loc[-1])
-        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1, cutoff=0.6)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        return f"unknown key '{key}'{hint}"
-    if kind == "missing":
-        return f"missing required key '{key}'"
-    if kind == "value_error":
-        return str(error["ctx"]["error"])
-    if kind == "too_short" and key == "dataset":
-        return "dataset: list at least one dataset"
-    expected = [x for e in errors if _key_path(tuple(e["loc"])) == key and (x := _expected(e))]
-    if expected:
-        return f"{key}: expected {' or '.join(dict.fromkeys(expected))}, got {error['input']!r}"
-    return f"{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
-
-
 def _dataset_list(value: Any) -> Any:
     """A single dataset, or a bare name, stands for a list of one; old key names inside are renamed."""
     items = [value] if isinstance(value, (dict, str)) else value
@@ -278,7 +212,9 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {_describe(exc.errors())}") from None
+        fields = set(TrainConfig.model_fields) | set(DatasetSpec.model_fields)
+        lines = describe_errors(exc.errors(), fields, list(TrainConfig.model_fields), list(DatasetSpec.model_fields))
+        raise ConfigError("\n".join(f"{source}: {line}" for line in lines)) from None
 
 
 class _DuplicateKey(yaml.YAMLError):

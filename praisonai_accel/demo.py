@@ -154,6 +154,22 @@ def exact_match(answers: list[str], records: list[dict]) -> float:
     return sum(a == r["output"] for a, r in zip(answers, records)) / max(len(records), 1)
 
 
+def shown_prompt(record: dict) -> str:
+    """The prompt exactly as it is trained and asked (demo_prompt's text, the blank line visible as \\n\\n), so what
+    a user types into `generate` is what the model learned."""
+    return repr(demo_prompt(record)[0]["content"])
+
+
+def examples_to_show(answers: list[str], expected: list[str], count: int = 3) -> list[int]:
+    """Which held-out examples a demo shows: right and wrong answers in about the proportion the accuracy has, at
+    least one of each where there is one, so the examples never look better (or worse) than the score."""
+    right = [i for i, (a, e) in enumerate(zip(answers, expected)) if a == e]
+    wrong = [i for i in range(len(expected)) if i not in set(right)]
+    rights = round(count * len(right) / max(len(expected), 1))
+    rights = min(max(rights, 1 if right else 0, count - len(wrong)), count - (1 if wrong else 0), len(right))
+    return sorted(right[:rights] + wrong[:count - rights])
+
+
 def demo_config(model_dir: Path, data_path: Path, output_dir: Path, **overrides) -> dict:
     config = {
         "model_name": str(model_dir),
@@ -178,22 +194,25 @@ def demo_config(model_dir: Path, data_path: Path, output_dir: Path, **overrides)
 
 
 def preference_records(records: list[dict]) -> list[dict]:
-    """DPO pairs on the reverse-the-words task with two valid answers: the names reversed and joined by commas
-    (chosen) or by spaces (rejected, the SFT demo's way). TRL's conversational prompt / chosen / rejected."""
+    """Pairs on the reverse-the-words task with two valid answers, for the reward-model demo: the names reversed and
+    joined by commas (chosen) or by spaces (rejected, the SFT demo's way). TRL's conversational prompt / chosen /
+    rejected."""
     return [{"prompt": demo_prompt(r),
              "chosen": [{"role": "assistant", "content": ", ".join(r["output"].split())}],
              "rejected": [{"role": "assistant", "content": r["output"]}]} for r in records]
 
 
 def completion_logps(model, tokenizer, prompt: list[dict], completions: list[str]) -> list[float]:
-    """The summed log-probability of each completion's tokens after the chat-templated prompt."""
+    """The summed log-probability of each completion's tokens after the chat-templated prompt, its end of turn
+    included (as DPO trains it: an answer that stops early is a different answer, not a prefix of the longer one)."""
     import torch
 
     prefix = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     start = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
     out = []
     for completion in completions:
-        ids = tokenizer(prefix + completion, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
+        text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
         with torch.no_grad():
             logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
         targets = ids[0, 1:]

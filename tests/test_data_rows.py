@@ -137,17 +137,21 @@ def test_tool_calls_on_a_template_without_tools_are_refused_and_render_with_one_
 
 
 def test_skip_invalid_rows_trains_on_the_rest_and_lists_every_skipped_row(tmp_path, tiny_model):
-    """The real `train`: refused by default before training; with skip_invalid_rows one warning line with the counts
+    """The real `train`: refused by the launcher before any worker starts, with nothing written to output_dir (no
+    accelerate_config.yaml, no logs/) nor to the cache; with skip_invalid_rows one warning line with the counts
     by reason, training on the rest, and every skipped row in logs/skipped_rows.jsonl. `preview` says the same."""
     rows = [good(i) for i in range(12)]
     rows[2]["output"] = None
     rows[5] = {"instruction": "q", "input": "", "output": 5}
     data = jsonl(tmp_path / "a.jsonl", rows, {9: b"{not json"})
     config = config_file(tmp_path, tiny_model, data)
-    line = one_error_line(cli("train", str(config)))
+    refused = cli("train", str(config), "--cpu", "--num-processes", "2")
+    line = one_error_line(refused)
+    assert refused.returncode == 2
     assert "line 3: field 'output' is null; line 6: field 'output' is a number, not text; line 9: invalid JSON" in line
+    assert refused.stderr.strip() == line and not refused.stdout.strip()  # no "launching", no worker's line
     out = tmp_path / "out"
-    assert not (out / "metrics.jsonl").exists() and not list(out.glob("checkpoint-*"))
+    assert not out.exists() and not (tmp_path / "prepared").exists()
     assert one_error_line(cli("preview", str(config))) == line
 
     skip = config_file(tmp_path, tiny_model, data, skip_invalid_rows=True)

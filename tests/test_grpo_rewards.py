@@ -285,6 +285,20 @@ def test_the_worker_exits_with_the_reward_failure_code(tmp_path, capsys, monkeyp
     assert capsys.readouterr().err == ""
 
 
+def test_a_reward_failure_on_several_ranks_names_the_rank_whose_batch_held_the_row(tmp_path, capsys, monkeypatch):
+    from praisonai_accel.distributed import DistEnv
+    from praisonai_accel.logs import FILE_ONLY
+    from praisonai_accel.worker import main
+
+    monkeypatch.setattr(FILE_ONLY, "handlers", [logging.NullHandler()])
+    monkeypatch.setattr(main, "_close_process_group", lambda wait_for_others: None)  # no process group here
+    config = SimpleNamespace(output_path=lambda: tmp_path)
+    (tmp_path / "logs").mkdir()
+    error = rw.RewardError("reward function r failed on data.jsonl line 7: KeyError: 'x'")
+    assert main._failed(error, DistEnv(rank=1, local_rank=1, world_size=2), config, None) == 3
+    assert capsys.readouterr().err == "error: rank 1: reward function r failed on data.jsonl line 7: KeyError: 'x'\n"
+
+
 # ---------------------------------------------------------------- built-ins
 
 @pytest.mark.parametrize("completion,answer,expected", [

@@ -23,7 +23,7 @@ def test_demo_vision_learns_the_colour_of_held_out_shapes_on_two_processes(tmp_p
     assert match, result.stdout
     before, after = int(match[1]), int(match[2])
     assert before <= 40 and after >= 95, line
-    assert result.stdout.count("  after:  ") == 3 and "(expected: " in result.stdout
+    assert result.stdout.count("  after:  ") == 3 and "; expected: " in result.stdout
     assert "backend: transformers (a vision-language model)" in result.stderr
     assert (tmp_path / "demo" / "vision_outputs" / "model" / "processor_config.json").is_file()
 

@@ -12,7 +12,8 @@ from ..errors import ConfigError
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    """`error: ` before each line: a config with several mistakes says each on its own line."""
+    typer.echo("\n".join(f"error: {line}" for line in str(message).splitlines() or [""]), err=True)
     raise typer.Exit(code)
 
 

@@ -22,9 +22,10 @@ def demo_command(
 ) -> None:
     """Build a tiny local model and a task with checkable answers (reverse 2 or 3 names), train it with N CPU
     processes, and show held-out answers and exact-match accuracy before and after. --method dpo starts from that
-    model (training it first when it is absent) and teaches it, with DPO and LoRA, to prefer answers joined by commas
-    over the spaces it learned, showing held-out preference accuracy before and after. --method reward trains a reward
-    model (that model with a score head) on the same pairs, showing held-out reward accuracy before and after. --method grpo starts from it
+    model (training it first when it is absent) and teaches it, with DPO and LoRA, to prefer whole reversals of four
+    names over the three it stops at, showing held-out preference accuracy and generation accuracy before and after.
+    --method reward trains a reward model (that model with a score head) on the same pairs, showing held-out reward
+    accuracy before and after. --method grpo starts from it
     too and teaches it, with GRPO and a reward for names in the right place, to reverse four names. --vision: a tiny
     vision-language model learns to name the colour of a drawn shape, held-out exact match before and after."""
     if vision:
@@ -74,9 +75,18 @@ def demo_command(
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict) -> None:
     from ..demo import exact_match
 
-    for record, old, new in list(zip(held_out, before, after))[:SHOWN]:
-        typer.echo(f"{record['instruction']}: {record['input']}\n  before: {old or '(nothing)'}\n  after:  {new}"
-                   f"   (expected: {record['output']})")
+    show_examples(held_out, before, after)
     typer.echo(f"exact-match accuracy on {len(held_out)} held-out prompts: {exact_match(before, held_out):.0%} before, "
                f"{exact_match(after, held_out):.0%} after {summary['global_step']} steps on "
                f"{summary['num_processes']} processes; model in {summary['final_model_dir']}")
+
+
+def show_examples(held_out: list[dict], before: list[str], after: list[str]) -> None:
+    """A few held-out prompts as trained (demo.shown_prompt), right and wrong answers after training in about the
+    proportion the accuracy has (demo.examples_to_show), each marked."""
+    from ..demo import examples_to_show, shown_prompt
+
+    for i in examples_to_show(after, [r["output"] for r in held_out], SHOWN):
+        record, verdict = held_out[i], "right" if after[i] == held_out[i]["output"] else "wrong"
+        typer.echo(f"prompt: {shown_prompt(record)}\n  before: {before[i] or '(nothing)'}\n  after:  {after[i]}"
+                   f"   ({verdict}; expected: {record['output']})")

@@ -66,9 +66,9 @@ def _report(held_out, before, after, summary, output: Path) -> None:
     from ..demo import exact_match
     from ..worker.metrics import read_metrics
 
-    for record, old, new in list(zip(held_out, before, after))[:3]:
-        typer.echo(f"{record['instruction']}: {record['input']}\n  before: {old or '(nothing)'}\n  after:  {new}"
-                   f"   (expected: {record['output']})")
+    from .demo import show_examples
+
+    show_examples(held_out, before, after)
     rewards = [m["reward"] for m in read_metrics(output / "metrics.jsonl") if "reward" in m]
     if rewards:
         typer.echo(f"reward (names in place, of sampled answers): {rewards[0]:.2f} over the first {LOGGING_STEPS} "

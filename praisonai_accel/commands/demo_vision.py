@@ -48,11 +48,15 @@ def _answers(model_dir: Path, records: list[dict], image_root: Path) -> list[str
 
 
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict, image_root: Path) -> None:
+    from ..demo import examples_to_show
     from ..demo_vision import exact_match
 
-    for record, old, new in list(zip(held_out, before, after))[:SHOWN]:
-        typer.echo(f"{image_root / record['image']} (a {record['colour']} {record['shape']}): {record['question']}\n"
-                   f"  before: {old or '(nothing)'}\n  after:  {new}   (expected: {record['answer']})")
+    answers = [a.strip() for a in after]
+    for i in examples_to_show(answers, [r["answer"] for r in held_out], SHOWN):  # right and wrong, as the score has them
+        record, verdict = held_out[i], "right" if answers[i] == held_out[i]["answer"] else "wrong"
+        typer.echo(f"{image_root / record['image']} (a {record['colour']} {record['shape']}): {record['question']!r}\n"
+                   f"  before: {before[i] or '(nothing)'}\n  after:  {after[i]}   ({verdict}; expected: "
+                   f"{record['answer']})")
     typer.echo(f"exact-match accuracy on {len(held_out)} held-out images: {exact_match(before, held_out):.0%} before, "
                f"{exact_match(after, held_out):.0%} after {summary['global_step']} steps on "
                f"{summary['num_processes']} process{'es' * (summary['num_processes'] != 1)} (chance: 25%); "

@@ -10,8 +10,7 @@ import typer
 
 from ..errors import first_line
 
-PACKAGES = ["praisonai-accel", "torch", "transformers", "accelerate", "peft", "trl", "datasets", "huggingface_hub",
-            "unsloth", "bitsandbytes"]
+PACKAGES = ["praisonai-accel", "torch", "transformers", "accelerate", "peft", "trl", "datasets", "huggingface_hub"]
 
 
 def _version(name: str) -> str:
@@ -21,14 +20,18 @@ def _version(name: str) -> str:
         return "not installed"
 
 
-def _usable(module: str) -> str:
+def _usable(module: str, needs_gpu: bool = False) -> str:
+    """One answer for an optional backend: its version and whether it imports here, or that it is not installed."""
     if importlib.util.find_spec(module) is None:
         return "not installed"
+    version = _version(module)
+    if needs_gpu:
+        return f"{version}, not usable (needs a CUDA GPU)"
     try:
         importlib.import_module(module)
-        return "usable"
+        return f"{version}, usable"
     except Exception as exc:  # unsloth raises NotImplementedError and friends without a GPU
-        return f"not usable ({type(exc).__name__}: {first_line(exc, '')})"
+        return f"{version}, not usable ({type(exc).__name__}: {first_line(exc, '')})"
 
 
 def env_command() -> None:
@@ -50,4 +53,4 @@ def env_command() -> None:
         typer.echo("cuda: no GPU visible (training runs on CPU processes over gloo)")
     typer.echo(f"distributed backends: nccl {'yes' if torch.distributed.is_nccl_available() else 'no'}, gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}")
     typer.echo(f"bitsandbytes: {_usable('bitsandbytes')}")
-    typer.echo(f"unsloth: {_usable('unsloth') if torch.cuda.is_available() else 'not usable (needs a CUDA GPU)'}")
+    typer.echo(f"unsloth: {_usable('unsloth', needs_gpu=not torch.cuda.is_available())}")

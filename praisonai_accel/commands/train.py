@@ -55,7 +55,7 @@ def train_command(
     accelerate_config: Optional[Path] = typer.Option(None, "--accelerate-config", help="use this accelerate config file as is (DeepSpeed, custom FSDP)"),
     verbose: bool = typer.Option(False, "--verbose", help="show the libraries' own output (progress bars, per-rank warnings)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and launch command, run nothing"),
-    ray: bool = typer.Option(False, "--ray", help="run the workers as a Ray Train TorchTrainer (pip install 'praisonai-accel[ray]')"),
+    ray: bool = typer.Option(False, "--ray", help="run the workers as a Ray Train TorchTrainer; needs the ray extra: pip install 'praisonai-accel\\[ray]'"),  # \\[: rich reads [ray] as markup
     num_workers: int = typer.Option(2, "--num-workers", min=1, help="Ray Train workers (processes), with --ray"),
     address: Optional[str] = typer.Option(None, "--address", help="a running Ray cluster's address, with --ray (default: a local one)"),
 ) -> None:
@@ -107,8 +107,11 @@ def train_command(
     groups = plan.num_processes // cfg.sequence_parallel_size  # a sequence-parallel group trains one row at a time
     effective = f"{per_device} x {accum} x {groups} = {per_device * accum * groups}"
     if dry_run:
-        typer.echo("# resolved config")
-        typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+        shown = keys_shown(cfg, declares_images(cfg))
+        left_out = len(cfg.model_dump()) - len(shown)
+        typer.echo("# resolved config" + (f" ({left_out} keys at their default that this run does not read left out)"
+                                          if left_out else ""))
+        typer.echo(yaml.safe_dump(shown, sort_keys=False).rstrip())
         typer.echo(f"# processes: {plan.num_processes}" + (f" ({per_node} per node x {nodes.count} nodes)" if nodes.count > 1 else ""))
         typer.echo(f"# effective batch (per device x accumulation x processes): {effective}")
         typer.echo(f"# start: {start}")
@@ -118,8 +121,9 @@ def train_command(
         typer.echo("# launch command")
         typer.echo(plan.printable())
         return
+    rows_checked = check_rows_before_launch(cfg)
     hold_run_lock(cfg, nodes)  # after every check: a refused launch writes nothing, not even output_dir
-    preprocess_beside_workers(cfg, status)
+    preprocess_beside_workers(cfg, status, rows_checked)
     where = f" on node {nodes.rank if nodes.backend == 'static' else '(rank from rendezvous)'} of {nodes.count}" if nodes.count > 1 else ""
     typer.echo(f"launching {plan.num_processes} process(es){where}, effective batch {effective}", err=True)
     try:
@@ -127,6 +131,54 @@ def train_command(
     finally:
         status.unlink(missing_ok=True)
     raise typer.Exit(code)
+
+
+def keys_the_method_does_not_read(cfg) -> set[str]:
+    """The method keys (methods/method_keys.py's tables) that the run's method and loss_type do not read: the one
+    place --dry-run asks."""
+    from ..methods.method_keys import KEYS_BY_METHOD, METHOD_KEYS
+
+    unread = set(METHOD_KEYS) - KEYS_BY_METHOD[cfg.method]
+    if cfg.loss_type not in ("robust", "simpo"):
+        unread.add("label_smoothing")
+    if cfg.loss_type != "simpo":
+        unread.add("simpo_gamma")
+    return unread
+
+
+# Keys that only mean something when another key says so: (the keys, whether this run reads them).
+_DEPENDENT_KEYS = (
+    (("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_bias", "use_rslora"), lambda c: c.uses_lora),
+    (("hub_strategy", "hub_private"), lambda c: c.push_to_hub or c.huggingface_save_gguf),
+    (("ollama_base", "ollama_push"), lambda c: bool(c.ollama_model)),
+    (("quantization_method", "huggingface_save_gguf", "ollama_save"), lambda c: c.save_gguf),
+    (("save_steps", "save_total_limit"), lambda c: c.save_strategy != "no"),
+    (("eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "metric_for_best_model",
+      "greater_is_better", "early_stopping_patience", "early_stopping_threshold"), lambda c: c.eval_strategy != "no"),
+    (("tiled_mlp_shards",), lambda c: c.tiled_mlp),
+    (("group_by_length_window",), lambda c: c.group_by_length),
+)
+
+
+def keys_shown(cfg, takes_images: bool | None) -> dict:
+    """The resolved config as --dry-run prints it: every key this run reads, and every key written with another
+    value than its default; keys at their default that the method, the model (no images) or the settings leave
+    unread are left out."""
+    from ..config_vision import VISION_KEYS
+
+    unread = keys_the_method_does_not_read(cfg)
+    if takes_images is False:
+        unread |= set(VISION_KEYS)
+    for keys, read in _DEPENDENT_KEYS:
+        if not read(cfg):
+            unread |= set(keys)
+    fields = type(cfg).model_fields
+
+    def at_default(key: str) -> bool:
+        value, default = getattr(cfg, key), fields[key].default
+        return value == default or value == [default]  # quantization_method: validated into a list
+
+    return {key: value for key, value in cfg.model_dump(mode="json").items() if key not in unread or not at_default(key)}
 
 
 def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cpu: bool, max_restarts: int,
@@ -165,39 +217,57 @@ def hold_run_lock(cfg, nodes) -> None:
         fail(first_line(exc))
 
 
-def preprocess_beside_workers(cfg, status: Path) -> None:
-    """Tokenize in this process while the workers start (importing torch and loading the model takes them longer
-    than a small dataset takes here); they wait for it through the status file (handoff.py), never in a collective
-    that would time out on a large dataset. A failure reaches the console once, through rank 0."""
+def check_rows_before_launch(cfg):
+    """Every row checked against its format here, before a worker starts or anything is written (a bad row is one
+    line and exit 2): (tokenizer, the method's data half) for the tokenizing that follows, or None when the cache
+    already holds these datasets (their rows were checked when it was built)."""
     import sys
-    import threading
 
-    from ..data import DataError, cached_for_inputs, load_datasets, load_tokenizer
-    from ..handoff import write_preprocessing_status
+    from ..data import DataError, cached_for_inputs, check_rows, load_tokenizer
     from ..logs import quiet_datasets
     from ..methods import method_for
     from ._common import cannot_load_tokenizer
 
-    write_preprocessing_status(status, "running")
+    if cached_for_inputs(cfg):
+        return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
     quiet_datasets(progress=sys.stderr.isatty())
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except DataError:
+        raise  # already one line (one_line_errors)
+    except Exception as exc:
+        fail(cannot_load_tokenizer(cfg, exc))
+    method_data = method_for(cfg).data(tokenizer)
+    try:
+        check_rows(cfg, method_data)
+    except DataError:
+        raise
+    except Exception as exc:  # a file the datasets library cannot read, say
+        fail(f"preprocessing: {type(exc).__name__}: {first_line(exc)}")
+    return tokenizer, method_data
+
+
+def preprocess_beside_workers(cfg, status: Path, rows_checked) -> None:
+    """Tokenize in this process while the workers start (importing torch and loading the model takes them longer
+    than a small dataset takes here); they wait for it through the status file (handoff.py), never in a collective
+    that would time out on a large dataset. A failure reaches the console once, through rank 0."""
+    import threading
+
+    from ..data import DataError, load_datasets
+    from ..handoff import write_preprocessing_status
+
+    write_preprocessing_status(status, "running")
 
     def work() -> None:
-        if cached_for_inputs(cfg):
+        if rows_checked is None:
             write_preprocessing_status(status, "done", cached=True)
             return
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()  # in this process only: the workers keep --verbose's choice
+        tokenizer, method_data = rows_checked
         try:
-            tokenizer = load_tokenizer(cfg)
-        except DataError as exc:
-            write_preprocessing_status(status, "failed", str(exc))
-            return
-        except Exception as exc:
-            write_preprocessing_status(status, "failed", cannot_load_tokenizer(cfg, exc))
-            return
-        try:
-            cached = load_datasets(cfg, tokenizer, method_for(cfg).data(tokenizer))[2]
+            cached = load_datasets(cfg, tokenizer, method_data)[2]
         except DataError as exc:
             write_preprocessing_status(status, "failed", str(exc))
         except Exception as exc:

@@ -23,7 +23,7 @@ from .formats import (
 from .masking_check import MaskingReport, check_masking
 from .packing import PackedDataset, best_fit_decreasing
 from .preprocess import (
-    MASKING_SAMPLE, data_method, invalid_rows_error, load_datasets, load_or_build, report_stats,
+    MASKING_SAMPLE, check_rows, data_method, invalid_rows_error, load_datasets, load_or_build, report_stats,
     tokenize_dataset, write_skipped_rows,
 )
 from .sft_rows import SFTData

@@ -122,6 +122,34 @@ def _encode_rows(table, method, fmt: str, spec: DatasetSpec, source: int, config
         raise DataError(f"dataset {spec.name}: {type(exc).__name__}: {first_line(exc, '')}") from None
 
 
+def _checked_rows(raw: RawRows, method, spec: DatasetSpec) -> tuple[str, dict[int, RowProblem]]:
+    """The dataset's format and its rows that do not fit it (or could not be read), by position."""
+    bad: dict[int, RowProblem] = dict(raw.unreadable)
+    # no row could be read: nothing tells the format, and the rows' own faults are the news
+    fmt = method.detect_format(raw.columns, spec) if len(bad) < len(raw) else ""
+    for position, row in raw:
+        if position not in bad:
+            problem = method.check_row(row, fmt, spec)
+            if problem:
+                bad[position] = problem
+    return fmt, bad
+
+
+def check_rows(config: TrainConfig, method) -> None:
+    """Every row of the training and evaluation datasets against its format, without tokenizing: DataError (the
+    line tokenize_dataset would give) unless skip_invalid_rows. The launcher runs it before it starts a worker or
+    writes anything; rows only encoding can refuse (a chat template that drops a turn) are found while tokenizing."""
+    if config.skip_invalid_rows:
+        return
+    invalid, formats = [], {}
+    for spec in [*config.dataset, *(config.eval_dataset or [])]:
+        raw = read_rows(spec)
+        formats[spec.name], bad = _checked_rows(raw, method, spec)
+        invalid += [SkippedRow(spec.name, p, raw.where(p), raw.number(p), bad[p]) for p in sorted(bad)]
+    if invalid:
+        raise DataError(invalid_rows_error(invalid, formats))
+
+
 def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, method=None):
     """The encoded examples of every dataset, concatenated; what happened to each dataset; and every row not
     trained (SkippedRow). Invalid rows stop it here unless config.skip_invalid_rows."""
@@ -131,14 +159,8 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, m
     parts, stats, invalid, skipped, formats = [], PreprocessReport(), [], [], {}
     for index, spec in enumerate(specs):
         raw = read_rows(spec)
-        bad: dict[int, RowProblem] = dict(raw.unreadable)
-        # no row could be read: nothing tells the format, and the rows' own faults are the news
-        fmt = formats[spec.name] = method.detect_format(raw.columns, spec) if len(bad) < len(raw) else ""
-        for position, row in raw:
-            if position not in bad:
-                problem = method.check_row(row, fmt, spec)
-                if problem:
-                    bad[position] = problem
+        fmt, bad = _checked_rows(raw, method, spec)
+        formats[spec.name] = fmt
         good = [position for position in range(len(raw)) if position not in bad]
         encoded = _encode_rows(_table(raw, good), method, fmt, spec, index, config) if good else None
         kept_rows, too_long = [], []

@@ -196,8 +196,14 @@ def resolve_processes(gpus: str | None, cpu: bool, num_processes: int | None, av
         if gpus is not None:
             raise LaunchError("--cpu and --gpus cannot be used together")
         return num_processes or 1, None
-    if gpus is None and num_processes is not None:
-        gpus = str(num_processes)  # --num-processes N without --cpu means N GPUs
+    if gpus is None and num_processes is not None:  # --num-processes N without --cpu means N GPUs
+        visible = available_gpus()
+        if num_processes > visible:
+            raise LaunchError(f"--num-processes {num_processes}: only {visible} CUDA GPU(s) visible; add --cpu to run "
+                              f"{num_processes} CPU processes (gloo)" if visible == 0 else
+                              f"--num-processes {num_processes}: only {visible} CUDA GPU(s) visible; use at most "
+                              f"{visible}, or --cpu for CPU processes")
+        return parse_gpus(str(num_processes), visible)
     if gpus is None:
         return 1, None
     return parse_gpus(gpus, available_gpus())

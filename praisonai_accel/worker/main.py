@@ -85,7 +85,8 @@ def _exit_codes():
     ]
 
 
-def _message(exc: BaseException, config) -> str:
+def _message(exc: BaseException, config, env: DistEnv | None = None) -> str:
+    from ..methods.rewards import RewardError
     from .checkpoint import latest_complete
     from .failures import Preempted
 
@@ -96,6 +97,8 @@ def _message(exc: BaseException, config) -> str:
         return f"praisonai-accel: interrupted before training began; re-run the same command to resume from {latest}"
     if isinstance(exc, Preempted):
         return f"praisonai-accel: {exc}; re-run the same command to resume"
+    if isinstance(exc, RewardError) and env is not None and env.world_size > 1:  # the row was in this rank's batch
+        return f"error: rank {env.rank}: {exc}"
     return f"error: {exc}"
 
 
@@ -152,7 +155,7 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
             else:
                 speaks = (env.local_rank if speaker == "local rank 0" else env.rank) == 0
             if speaks:
-                print(_message(exc, config), file=sys.stderr)
+                print(_message(exc, config, env), file=sys.stderr)
             if env.rank == 0:
                 _record_end(config, "interrupted" if code == INTERRUPTED_EXIT_CODE else "failed", code)
             if close:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from .config_method import MethodKeys
+from .config_method import config_model
 from .config_vision import VisionKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
@@ -66,7 +67,16 @@ class DatasetSpec(_Strict):
     system_prompt: str | None = None
 
 
-class TrainConfig(MethodKeys, VisionKeys, _Strict):
+class TrainConfig(VisionKeys, _Strict):
+    # The training method (methods/registry.py): a built-in (sft, dpo, orpo, kto, grpo), a registered or
+    # entry-point name, or "package.module:Class". parse_config validates against TrainConfig composed with its keys.
+    method: str = Field(default="sft", description=(
+        "The training method: sft, dpo, orpo, kto, grpo, a method a package registers, or \"package.module:Class\" "
+        "(looked for next to the config file first). Its own keys are written beside the others."))
+    training_method: ClassVar[type | None] = None  # the method's class, set on the composed model
+    # The directory of the config file (load_config sets it): reward_funcs' and method's modules are looked for there
+    _config_dir: str | None = PrivateAttr(default=None)
+
     # model
     model_name: str
     tokenizer_name: str | None = None
@@ -207,6 +217,23 @@ class TrainConfig(MethodKeys, VisionKeys, _Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_best_model_metric(self) -> "TrainConfig":
+        self.best_model_metric()
+        return self
+
+    def best_model_metric(self) -> str:
+        """metric_for_best_model as evaluation logs it ("loss" and names without eval_ mean their eval_ form, as in
+        transformers); ValueError (one line) for a metric the method never logs."""
+        name = self.metric_for_best_model
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        metrics = self.training_method.metrics if self.training_method else ()
+        known = ("eval_loss",) + tuple(f"eval_{m}" for m in metrics)
+        if name not in known:
+            raise ValueError(f"metric_for_best_model: {self.metric_for_best_model!r} is not a metric method: "
+                             f"{self.method} logs; use one of {', '.join(known)}")
+        return name
+
+    @model_validator(mode="after")
     def _check_combinations(self) -> "TrainConfig":
         if self.load_in_4bit and self.finetune_type == "full":
             raise ValueError("load_in_4bit: 4-bit weights cannot be fully fine-tuned; use finetune_type: qlora")
@@ -317,8 +344,8 @@ _EXPECTED_BY_ERROR = {
 }
 
 
-def _key_path(loc: tuple) -> str:
-    fields = set(TrainConfig.model_fields) | set(DatasetSpec.model_fields)
+def _key_path(loc: tuple, model: type[BaseModel] = TrainConfig) -> str:
+    fields = set(model.model_fields) | set(DatasetSpec.model_fields)
     path = ""
     for item in loc:
         if isinstance(item, int):
@@ -329,8 +356,7 @@ def _key_path(loc: tuple) -> str:
     return path or "config"
 
 
-def _known_keys(loc: tuple) -> list[str]:
-    model: type[BaseModel] = TrainConfig
+def _known_keys(loc: tuple, model: type[BaseModel] = TrainConfig) -> list[str]:
     if loc and loc[0] in ("dataset", "eval_dataset"):
         model = DatasetSpec
     return list(model.model_fields)
@@ -344,15 +370,15 @@ def _expected(error: dict) -> str | None:
     return None
 
 
-def _describe(errors: list[dict]) -> str:
+def _describe(errors: list[dict], model: type[BaseModel] = TrainConfig) -> str:
     # Prefer errors that are not type mismatches: unions report one mismatch per member.
     error = next((e for e in errors if e["type"] in ("extra_forbidden", "missing", "value_error")), errors[0])
     loc = tuple(error["loc"])
     kind = error["type"]
-    key = _key_path(loc)
+    key = _key_path(loc, model)
     if kind == "extra_forbidden":
-        key = f"{_key_path(loc[:-1])}.{loc[-1]}" if len(loc) > 1 else str(loc[-1])
-        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1, cutoff=0.6)
+        key = f"{_key_path(loc[:-1], model)}.{loc[-1]}" if len(loc) > 1 else str(loc[-1])
+        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc, model), n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return f"unknown key '{key}'{hint}"
     if kind == "missing":
@@ -361,7 +387,7 @@ def _describe(errors: list[dict]) -> str:
         return str(error["ctx"]["error"])
     if kind == "too_short" and key == "dataset":
         return "dataset: list at least one dataset"
-    expected = [x for e in errors if _key_path(tuple(e["loc"])) == key and (x := _expected(e))]
+    expected = [x for e in errors if _key_path(tuple(e["loc"]), model) == key and (x := _expected(e))]
     if expected:
         return f"{key}: expected {' or '.join(dict.fromkeys(expected))}, got {error['input']!r}"
     return f"{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
@@ -376,7 +402,9 @@ def _dataset_list(value: Any) -> Any:
             for d in items]
 
 
-def parse_config(data: Any, source: str = "config") -> TrainConfig:
+def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> TrainConfig:
+    """The validated config of `data`, as TrainConfig composed with the chosen method's keys; ConfigError (one line,
+    starting with `source`). `config_dir`: where the method's and reward functions' modules are looked for first."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
     secret = next((k for k in data if str(k).lower() in SECRET_KEYS), None)
@@ -387,9 +415,15 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
         if key in data:
             data[key] = _dataset_list(data[key])
     try:
-        return TrainConfig.model_validate(data)
+        model, data = config_model(TrainConfig, data, config_dir)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    try:
+        config = model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {_describe(exc.errors())}") from None
+        raise ConfigError(f"{source}: {_describe(exc.errors(), model)}") from None
+    config._config_dir = config_dir
+    return config
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -436,6 +470,4 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
-    config = parse_config(data, source=str(path))
-    config._config_dir = str(path.resolve().parent)  # where methods/rewards.py looks for reward_funcs' modules first
-    return config
+    return parse_config(data, source=str(path), config_dir=str(path.resolve().parent))

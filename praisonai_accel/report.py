@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import atomic_path
@@ -34,19 +34,17 @@ class RunReport:
     elapsed_seconds: float | None
     checkpoints: list[str]
     adapter: str | None
-    rewards: tuple[float, float] | None = None  # GRPO: the first and last logged reward
+    method_rows: list[tuple[str, str]] = field(default_factory=list)  # the method's (TrainingMethod.report_rows)
 
     def rows(self) -> list[tuple[str, str]]:
         def number(value, fmt=".4f"):
             return "n/a" if value is None else format(value, fmt)
 
         planned = f" of {self.steps_planned}" if self.steps_planned else ""
-        reward = [("reward (first -> last)", f"{number(self.rewards[0])} -> {number(self.rewards[1])}")] \
-            if self.rewards else []
         return [
             ("status", self.status),
             ("steps", f"{self.steps_done}{planned}"),
-            *reward,
+            *self.method_rows,
             ("loss (first -> last)", f"{number(self.first_loss)} -> {number(self.last_loss)}"),
             ("best training loss", number(self.best_loss)),
             ("best eval loss", number(self.best_eval_loss)),
@@ -87,8 +85,22 @@ def read_run(output_dir: Path) -> RunReport:
         elapsed_seconds=(steps[-1]["time"] - steps[0]["time"] + steps[0].get("step_seconds", 0)) if steps else None,
         checkpoints=[p.name for p in ckpt.complete_checkpoints(output_dir)],
         adapter=final if final and Path(final).is_dir() else None,
-        rewards=(rewards[0], rewards[-1]) if (rewards := [r["reward"] for r in steps if "reward" in r]) else None,
+        method_rows=_method_rows(progress, records),
     )
+
+
+def _method_rows(progress: dict, records: list[dict]) -> list[tuple[str, str]]:
+    """The rows the run's training method adds (progress.json names it); none when it cannot be found here."""
+    from .methods.registry import method_class
+
+    if not progress.get("method"):
+        return []  # a run from before progress.json named its method
+    try:
+        method = method_class(progress["method"], progress.get("config_dir"))
+    except ValueError as exc:
+        log.warning("warning: %s; the report shows no rows of the method", exc)
+        return []
+    return method.report_rows(records)
 
 
 def _read_json(path: Path) -> dict:

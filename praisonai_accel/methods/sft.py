@@ -11,6 +11,11 @@ class SFT(TrainingMethod):
     name = "sft"
     unit = "target tokens"
     supports_sequence_parallel = True
+    takes_images = True
+
+    @classmethod
+    def cache_identity(cls, config) -> dict:
+        return {}  # SFT's entries keep the keys they had before other methods existed
 
     processor = None  # a vision-language model's processor: its rows carry images (data/vision_rows.py)
 

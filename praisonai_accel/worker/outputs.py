@@ -63,13 +63,14 @@ def peak_gpu_memory_mib() -> float | None:
 
 
 def write_progress(output_dir: Path, status: str, global_step: int, total_steps: int, num_processes: int,
-                   final_model_dir: Path) -> None:
-    """output_dir/progress.json: what `report` reads of a run in progress or interrupted (rank 0 calls this)."""
+                   final_model_dir: Path, method: str, config_dir: str | None) -> None:
+    """output_dir/progress.json: what `report` reads of a run in progress or interrupted (rank 0 calls this); the
+    method (and the config's directory, where a method's module may be) say which rows the method adds."""
     import time
 
     write_json_atomic({"status": status, "global_step": global_step, "total_steps": total_steps,
-                       "num_processes": num_processes, "updated": time.time(), "final_model_dir": str(final_model_dir)},
-                      output_dir / "progress.json")
+                       "num_processes": num_processes, "updated": time.time(), "final_model_dir": str(final_model_dir),
+                       "method": method, "config_dir": config_dir}, output_dir / "progress.json")
 
 
 def trim_metrics_after(output_dir: Path, step: int) -> None:

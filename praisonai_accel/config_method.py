@@ -33,5 +33,6 @@ def config_model(base: type, data: dict, config_dir: str | None) -> tuple[type, 
 @functools.cache
 def composed(base: type, method: type) -> type:
     """The config model of a run of `method`: base's keys and the method's own (its validators too)."""
-    return type(base.__name__, (base, method.keys), {"__module__": base.__module__, "training_method": method})
+    # the method's keys after the base's when dumped (fields are collected from the last base first)
+    return type(base.__name__, (method.keys, base), {"__module__": base.__module__, "training_method": method})
 

@@ -97,7 +97,7 @@ class TrainingMethod:
     # ---- data
     def data(self, tokenizer):
         """The data half the preprocessing driver (data/preprocess.py) runs: `columns` (the ragged int columns of an
-        encoded example), `detect_format`, `check_row`, `encode`, `length`; see data/sft_rows.SFTData."""
+        encoded example), `detect_format`, `check_row`, `encode`, `length`; see methods/sft_rows.SFTData."""
         raise NotImplementedError
 
     # ---- batches

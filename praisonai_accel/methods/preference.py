@@ -166,7 +166,7 @@ class PreferenceMethod(TrainingMethod):
 
 
 class PreferenceData:
-    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is data/sft_rows.SFTData)."""
+    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is methods/sft_rows.SFTData)."""
 
     def __init__(self, method: PreferenceMethod, tokenizer):
         self.method, self.tokenizer, self.config, self.name = method, tokenizer, method.config, method.name

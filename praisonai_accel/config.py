@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .config_method import config_model
+from .config_method import MethodChoice, config_model
 from .config_vision import VisionKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
@@ -67,16 +66,7 @@ class DatasetSpec(_Strict):
     system_prompt: str | None = None
 
 
-class TrainConfig(VisionKeys, _Strict):
-    # The training method (methods/registry.py): a built-in (sft, dpo, orpo, kto, grpo), a registered or
-    # entry-point name, or "package.module:Class". parse_config validates against TrainConfig composed with its keys.
-    method: str = Field(default="sft", description=(
-        "The training method: sft, dpo, orpo, kto, grpo, a method a package registers, or \"package.module:Class\" "
-        "(looked for next to the config file first). Its own keys are written beside the others."))
-    training_method: ClassVar[type | None] = None  # the method's class, set on the composed model
-    # The directory of the config file (load_config sets it): reward_funcs' and method's modules are looked for there
-    _config_dir: str | None = PrivateAttr(default=None)
-
+class TrainConfig(MethodChoice, VisionKeys, _Strict):
     # model
     model_name: str
     tokenizer_name: str | None = None
@@ -215,23 +205,6 @@ class TrainConfig(VisionKeys, _Strict):
         if self.ollama_save and not self.ollama_model:
             raise ValueError("ollama_save: needs ollama_model (name:tag)")
         return self
-
-    @model_validator(mode="after")
-    def _check_best_model_metric(self) -> "TrainConfig":
-        self.best_model_metric()
-        return self
-
-    def best_model_metric(self) -> str:
-        """metric_for_best_model as evaluation logs it ("loss" and names without eval_ mean their eval_ form, as in
-        transformers); ValueError (one line) for a metric the method never logs."""
-        name = self.metric_for_best_model
-        name = name if name.startswith("eval_") else f"eval_{name}"
-        metrics = self.training_method.metrics if self.training_method else ()
-        known = ("eval_loss",) + tuple(f"eval_{m}" for m in metrics)
-        if name not in known:
-            raise ValueError(f"metric_for_best_model: {self.metric_for_best_model!r} is not a metric method: "
-                             f"{self.method} logs; use one of {', '.join(known)}")
-        return name
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "TrainConfig":

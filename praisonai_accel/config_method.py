@@ -6,6 +6,39 @@ in one line naming its methods."""
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
+
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
+
+
+class MethodChoice(BaseModel):
+    """`method:` and what TrainConfig asks of the chosen method's class."""
+
+    # The training method (methods/registry.py): a built-in (sft, dpo, orpo, kto, grpo), a registered or
+    # entry-point name, or "package.module:Class". parse_config validates against TrainConfig composed with its keys.
+    method: str = Field(default="sft", description=(
+        "The training method: sft, dpo, orpo, kto, grpo, a method a package registers, or \"package.module:Class\" "
+        "(looked for next to the config file first). Its own keys are written beside the others."))
+    training_method: ClassVar[type | None] = None  # the method's class, set on the composed model
+    # The directory of the config file (load_config sets it): reward_funcs' and method's modules are looked for there
+    _config_dir: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _check_best_model_metric(self) -> "MethodChoice":
+        self.best_model_metric()
+        return self
+
+    def best_model_metric(self) -> str:
+        """metric_for_best_model as evaluation logs it ("loss" and names without eval_ mean their eval_ form, as in
+        transformers); ValueError (one line) for a metric the method never logs."""
+        name = self.metric_for_best_model
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        metrics = self.training_method.metrics if self.training_method else ()
+        known = ("eval_loss",) + tuple(f"eval_{m}" for m in metrics)
+        if name not in known:
+            raise ValueError(f"metric_for_best_model: {self.metric_for_best_model!r} is not a metric method: "
+                             f"{self.method} logs; use one of {', '.join(known)}")
+        return name
 
 
 def config_model(base: type, data: dict, config_dir: str | None) -> tuple[type, dict]:

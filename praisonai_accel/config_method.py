@@ -23,6 +23,11 @@ class MethodChoice(BaseModel):
     # The directory of the config file (load_config sets it): reward_funcs' and method's modules are looked for there
     _config_dir: str | None = PrivateAttr(default=None)
 
+    def __reduce__(self):
+        # The composed class is made at run time (composed()), so pickle (datasets' map fingerprints and its worker
+        # processes, dill) cannot find it by name: a config pickles as how to compose its class again, and its state.
+        return _unpickle, (self.method, self._config_dir, self.__getstate__())
+
     @model_validator(mode="after")
     def _check_best_model_metric(self) -> "MethodChoice":
         self.best_model_metric()
@@ -69,3 +74,13 @@ def composed(base: type, method: type) -> type:
     # the method's keys after the base's when dumped (fields are collected from the last base first)
     return type(base.__name__, (method.keys, base), {"__module__": base.__module__, "training_method": method})
 
+
+
+def _unpickle(method: str, config_dir: str | None, state: dict):
+    from .config import TrainConfig
+    from .methods.registry import method_class
+
+    model = composed(TrainConfig, method_class(method, config_dir))
+    config = model.__new__(model)
+    config.__setstate__(state)
+    return config

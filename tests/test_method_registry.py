@@ -45,6 +45,21 @@ def test_each_builtin_declares_its_own_keys_and_defaults():
     assert not hasattr(parse_config(BASE), "beta")  # sft reads no method key
 
 
+def test_a_config_pickles_by_its_method_and_state(tmp_path):
+    """The composed config class is made at run time: datasets' map (its fingerprint, its worker processes) pickles
+    the config with dill, by how to compose the class again."""
+    import pickle
+
+    import dill
+
+    shutil.copy(TOY, tmp_path / "toy_pickled.py")
+    for extra in ({}, {"method": "dpo", "beta": 0.3}, {"method": "toy_pickled:ToyMethod", "toy_loss_scale": 2.0}):
+        config = parse_config({**BASE, **extra}, config_dir=str(tmp_path))
+        for library in (pickle, dill):
+            again = library.loads(library.dumps(config))
+            assert again == config and type(again) is type(config) and again._config_dir == str(tmp_path)
+
+
 def test_a_method_by_import_path_and_register_method(tmp_path):
     shutil.copy(TOY, tmp_path / "toy_path_method.py")
     config = parse_config({**BASE, "method": "toy_path_method:ToyMethod", "toy_loss_scale": 2.0},

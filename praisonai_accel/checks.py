@@ -74,10 +74,9 @@ def sequence_parallel_rule(config: TrainConfig, num_processes: int, model_config
     n = config.sequence_parallel_size
     if n <= 1:
         return
-    from .methods import method_for
     from .sequence_parallel import check_sequence_parallel, check_world
 
-    if not method_for(config).supports_sequence_parallel:
+    if not type(config).training_method.supports_sequence_parallel:
         raise ConfigError(f"sequence_parallel_size: method: {config.method} does not split its rows over ranks; "
                           "use sequence_parallel_size: 1 (or method: sft)")
     reason = check_world(num_processes, n) or (check_sequence_parallel(model_config, n) if model_config else None)

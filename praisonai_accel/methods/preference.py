@@ -158,7 +158,7 @@ class PreferenceMethod(TrainingMethod):
     def before_training(self, accelerator, module, dataset, collate, output_dir):
         """precompute_ref_log_probs: the reference log-probs of the training set, computed once (each rank its share,
         through the prepared module) and kept in output_dir/reference_logps/train.safetensors; a resume reads them."""
-        if not (self.config.precompute_ref_log_probs and needs_reference(self.config)):
+        if not (needs_reference(self.config) and self.config.precompute_ref_log_probs):  # ORPO has no such key
             return dataset
         from .reference_logps import precompute_on_ranks
 

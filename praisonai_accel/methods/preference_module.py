@@ -18,9 +18,11 @@ class PreferenceLoss(ReferenceModel, CausalLMLoss):
     def __init__(self, causal_lm, config, chunked: bool = True):
         super().__init__(causal_lm, chunked=chunked)
         self.method = config.method
-        self.loss_type = config.loss_type
-        self.beta, self.label_smoothing, self.simpo_gamma = config.beta, config.label_smoothing, config.simpo_gamma
-        self.desirable_weight, self.undesirable_weight = config.desirable_weight, config.undesirable_weight
+        self.beta = config.beta
+        # a config holds its own method's keys alone (DPO's label_smoothing is no key of KTO): another method's are
+        # None here, and only that method's branch of forward reads them
+        for key in ("loss_type", "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight"):
+            setattr(self, key, getattr(config, key, None))
         self.uses_reference = needs_reference(config)
         self.init_reference(causal_lm, self.uses_reference)
 

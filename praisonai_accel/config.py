@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 
 from .config_keys import (CheckpointKeys, DataKeys, DatasetSpec, EvalKeys, FinetuneKeys, GGUFKeys,
                           LossAndLengthKeys, ModelKeys, OptimizerKeys, OutputKeys, ProcessKeys, PublishKeys)
-from .config_method import MethodKeys
+from .config_method import MethodChoice, config_model
 from .config_vision import VisionKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
@@ -59,9 +59,9 @@ class _Strict(BaseModel):
 # The groups are listed last to first: pydantic orders fields from the last base to the first, and this keeps
 # the order the keys are validated (and printed by train --dry-run) in: vision, method, model, ..., GGUF.
 class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, LossAndLengthKeys, ProcessKeys,
-                  OptimizerKeys, FinetuneKeys, DataKeys, ModelKeys, MethodKeys, VisionKeys, _Strict):
-    """Every key of config.yaml: the groups of config_keys.py, the method's keys and the vision keys, and the rules
-    that span groups."""
+                  OptimizerKeys, FinetuneKeys, DataKeys, ModelKeys, MethodChoice, VisionKeys, _Strict):
+    """Every key of config.yaml: the groups of config_keys.py, `method:` (the chosen method's own keys are composed
+    in: config_method.py) and the vision keys, and the rules that span groups."""
 
     @field_validator("sequence_parallel_size")
     @classmethod
@@ -206,8 +206,8 @@ _EXPECTED_BY_ERROR = {
 }
 
 
-def _key_path(loc: tuple) -> str:
-    fields = set(TrainConfig.model_fields) | set(DatasetSpec.model_fields)
+def _key_path(loc: tuple, model: type[BaseModel] = TrainConfig) -> str:
+    fields = set(model.model_fields) | set(DatasetSpec.model_fields)
     path = ""
     for item in loc:
         if isinstance(item, int):
@@ -218,8 +218,7 @@ def _key_path(loc: tuple) -> str:
     return path or "config"
 
 
-def _known_keys(loc: tuple) -> list[str]:
-    model: type[BaseModel] = TrainConfig
+def _known_keys(loc: tuple, model: type[BaseModel] = TrainConfig) -> list[str]:
     if loc and loc[0] in ("dataset", "eval_dataset"):
         model = DatasetSpec
     return list(model.model_fields)
@@ -233,15 +232,15 @@ def _expected(error: dict) -> str | None:
     return None
 
 
-def _describe(errors: list[dict]) -> str:
+def _describe(errors: list[dict], model: type[BaseModel] = TrainConfig) -> str:
     # Prefer errors that are not type mismatches: unions report one mismatch per member.
     error = next((e for e in errors if e["type"] in ("extra_forbidden", "missing", "value_error")), errors[0])
     loc = tuple(error["loc"])
     kind = error["type"]
-    key = _key_path(loc)
+    key = _key_path(loc, model)
     if kind == "extra_forbidden":
-        key = f"{_key_path(loc[:-1])}.{loc[-1]}" if len(loc) > 1 else str(loc[-1])
-        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1, cutoff=0.6)
+        key = f"{_key_path(loc[:-1], model)}.{loc[-1]}" if len(loc) > 1 else str(loc[-1])
+        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc, model), n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return f"unknown key '{key}'{hint}"
     if kind == "missing":
@@ -250,7 +249,7 @@ def _describe(errors: list[dict]) -> str:
         return str(error["ctx"]["error"])
     if kind == "too_short" and key == "dataset":
         return "dataset: list at least one dataset"
-    expected = [x for e in errors if _key_path(tuple(e["loc"])) == key and (x := _expected(e))]
+    expected = [x for e in errors if _key_path(tuple(e["loc"]), model) == key and (x := _expected(e))]
     if expected:
         return f"{key}: expected {' or '.join(dict.fromkeys(expected))}, got {error['input']!r}"
     return f"{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
@@ -265,7 +264,9 @@ def _dataset_list(value: Any) -> Any:
             for d in items]
 
 
-def parse_config(data: Any, source: str = "config") -> TrainConfig:
+def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> TrainConfig:
+    """The validated config of `data`, as TrainConfig composed with the chosen method's keys; ConfigError (one line,
+    starting with `source`). `config_dir`: where the method's and reward functions' modules are looked for first."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
     secret = next((k for k in data if str(k).lower() in SECRET_KEYS), None)
@@ -276,9 +277,15 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
         if key in data:
             data[key] = _dataset_list(data[key])
     try:
-        return TrainConfig.model_validate(data)
+        model, data = config_model(TrainConfig, data, config_dir)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    try:
+        config = model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {_describe(exc.errors())}") from None
+        raise ConfigError(f"{source}: {_describe(exc.errors(), model)}") from None
+    config._config_dir = config_dir
+    return config
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -325,6 +332,4 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
-    config = parse_config(data, source=str(path))
-    config._config_dir = str(path.resolve().parent)  # where methods/rewards.py looks for reward_funcs' modules first
-    return config
+    return parse_config(data, source=str(path), config_dir=str(path.resolve().parent))

@@ -3,8 +3,8 @@ have been started by `accelerate launch` or torchrun directly). Each rule is wri
 ConfigError with the one line the user sees, and both callers show that line.
 
 Imported by the commands and by the worker; imports only the config, the checkpoint and output-directory modules,
-and (for sequence_parallel_size) the methods and sequence_parallel's pure checks; for method: reward,
-methods/reward.py's head check.
+and (for sequence_parallel_size) the methods and sequence_parallel's pure checks; the method's own rules are its
+class's check_config (method_rule).
 """
 
 from __future__ import annotations

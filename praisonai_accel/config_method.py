@@ -34,6 +34,12 @@ class MethodChoice(BaseModel):
         self.best_model_metric()
         return self
 
+    @property
+    def model_head(self) -> str:
+        """What model.py loads for the chosen method: its class's `model_head` ("causal-lm", or
+        "sequence-classification" for a reward model)."""
+        return getattr(self.training_method, "model_head", "causal-lm")
+
     def best_model_metric(self) -> str:
         """metric_for_best_model as evaluation logs it ("loss" and names without eval_ mean their eval_ form, as in
         transformers); ValueError (one line) for a metric the method never logs."""

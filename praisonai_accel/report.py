@@ -36,10 +36,6 @@ class RunReport:
     adapter: str | None  # the final model's directory, adapter or whole model
     headline: dict[str, tuple[float, float]] = field(default_factory=dict)  # the method's metrics: first, last
     full_model: bool = False  # a full fine-tune: the final directory holds a model, not an adapter
-
-    @property
-    def rewards(self) -> tuple[float, float] | None:
-        return self.headline.get("reward")
     method_rows: list[tuple[str, str]] = field(default_factory=list)  # the method's (TrainingMethod.report_rows)
 
     def rows(self) -> list[tuple[str, str]]:

@@ -181,16 +181,18 @@ def test_margin_rides_through_the_int_cache_exactly_and_a_bad_one_is_named(tiny)
 
 
 def test_config_refuses_reward_keys_elsewhere_and_other_keys_here(tiny_model, tmp_path):
-    from praisonai_accel.config import TrainConfig
+    from praisonai_accel.config import parse_config
 
     base = {"model_name": str(tiny_model), "dataset": [{"name": "x.jsonl"}]}
-    config = TrainConfig(**base, method="reward", center_rewards_coefficient=0.01,
-                         metric_for_best_model="eval_accuracy")
-    assert config.center_rewards_coefficient == 0.01
-    with pytest.raises(ValueError, match="center_rewards_coefficient: belongs to method reward, not to method: dpo"):
-        TrainConfig(**base, method="dpo", center_rewards_coefficient=0.01)
-    with pytest.raises(ValueError, match="beta: belongs to method"):
-        TrainConfig(**base, method="reward", beta=0.5)
+    config = parse_config({**base, "method": "reward", "center_rewards_coefficient": 0.01,
+                           "metric_for_best_model": "eval_accuracy"})
+    assert config.center_rewards_coefficient == 0.01 and config.model_head == "sequence-classification"
+    with pytest.raises(ConfigError, match="center_rewards_coefficient: belongs to method reward, not to method: dpo"):
+        parse_config({**base, "method": "dpo", "center_rewards_coefficient": 0.01})
+    with pytest.raises(ConfigError, match="beta: belongs to method"):
+        parse_config({**base, "method": "reward", "beta": 0.5})
+    with pytest.raises(ConfigError, match="packing: method reward trains whole pairs"):
+        parse_config({**base, "method": "reward", "packing": True})
 
 
 def test_heads_and_paths_that_are_not_reward_models_are_named(tiny_model, tmp_path):

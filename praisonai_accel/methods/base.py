@@ -37,6 +37,9 @@ class TrainingMethod:
     takes_images: bool = False  # trains rows with images (a vision-language model's)
     # its own exceptions and the worker's exit code for each; the rank that hit one prints its line
     errors: tuple[tuple[type[BaseException], int], ...] = ()
+    # what model.py loads: "causal-lm" (AutoModelForCausalLM, or the vision-language model's class), or
+    # "sequence-classification" (a one-label AutoModelForSequenceClassification, LoRA task SEQ_CLS: a reward model)
+    model_head: str = "causal-lm"
     unit: str = ""  # what the loss is a mean over, in words: "target tokens", "pairs", "examples"
     # logged metrics shown beside the loss on the console line, in `report` (first -> last) and as panels of
     # loss.png; shell-style patterns such as rewards/*/mean

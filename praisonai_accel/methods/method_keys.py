@@ -17,6 +17,7 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/c
 # grpo: clip_ratio is TRL's clip_ratio/region_mean; methods/grpo_loss.py computes the clip ratios and kl
 GRPO_METRICS = ("reward", "reward_std", "completions/mean_length", "clip_ratio", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "kl")
+REWARD_METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")  # TRL's RewardTrainer
 
 
 def written(config, key: str) -> bool:
@@ -90,6 +91,12 @@ class ORPOKeys(_Preference):
 class KTOKeys(_Reference, _Preference):
     desirable_weight: float = Field(default=1.0, gt=0, description="Weight of the desirable examples' loss (KTO).")
     undesirable_weight: float = Field(default=1.0, gt=0, description="Weight of the undesirable examples' loss (KTO).")
+
+
+class RewardKeys(_Unpacked):
+    center_rewards_coefficient: float | None = Field(default=None, ge=0, description=(
+        "Adds this x (r_chosen + r_rejected)^2 to each pair's loss, so rewards centre on 0 (TRL's RewardTrainer key); "
+        "default none."))
 
 
 def prompt_limit(config) -> int:

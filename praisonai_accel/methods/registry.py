@@ -1,6 +1,6 @@
 """The training methods by name. `method:` in config.yaml names one of:
 
-- a built-in (BUILTINS: sft, dpo, orpo, kto, grpo);
+- a built-in (BUILTINS: sft, dpo, orpo, kto, grpo, reward);
 - a class registered from Python: `register_method("mine", MyMethod)`;
 - a class a package declares under the entry point group `praisonai_accel.methods` (`mine = "mypkg.methods:MyMethod"`
   in its pyproject's `[project.entry-points."praisonai_accel.methods"]`), found when the name is first asked for;
@@ -22,7 +22,7 @@ from ..errors import first_line
 
 ENTRY_POINT_GROUP = "praisonai_accel.methods"
 # module (in this package) and class of each built-in, in the order error lines list them
-BUILTINS = ("sft:SFT", "preference:DPO", "preference:ORPO", "preference:KTO", "grpo:GRPO")
+BUILTINS = ("sft:SFT", "preference:DPO", "preference:ORPO", "preference:KTO", "grpo:GRPO", "reward:RewardMethod")
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*(:[A-Za-z_]\w*)?$")
 _registered: dict[str, type] = {}
 _builtins_loaded = False

@@ -44,6 +44,8 @@ def rollout_metric_names(names) -> tuple[str, ...]:
 
 
 class GRPO(TrainingMethod):
+    """GRPO (TRL's GRPOTrainer): online RL, completions the policy samples scored by your reward functions."""
+
     name = "grpo"
     keys = GRPOKeys
     loss_types = LOSS_TYPES["grpo"]

@@ -80,6 +80,13 @@ def known_methods() -> dict[str, type]:
     return dict(_registered)
 
 
+def builtin_methods() -> list[type]:
+    """The built-in methods' classes, in BUILTINS' order (what `config schema` documents)."""
+    _load_builtins()
+    return [getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+            for module, cls in (entry.split(":") for entry in BUILTINS)]
+
+
 def owners_of(key: str) -> list[tuple[str, object]]:
     """(method name, its default) for each method whose keys declare `key`, built-ins first."""
     return [(name, cls.keys.model_fields[key].default) for name, cls in known_methods().items()

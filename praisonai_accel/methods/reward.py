@@ -59,7 +59,7 @@ class RewardData(PreferenceData):
 
 
 class RewardMethod(PreferenceMethod):
-    """The training method the recipe drives for `method: reward` (methods/base.py)."""
+    """Reward models (TRL's RewardTrainer): a one-label sequence classifier trained on preference pairs."""
 
     name = "reward"
     keys = RewardKeys

@@ -8,6 +8,8 @@ from .base import TrainingMethod, log
 
 
 class SFT(TrainingMethod):
+    """Supervised fine-tuning (TRL's SFTTrainer): the language-model loss on the trained tokens of each row."""
+
     name = "sft"
     unit = "target tokens"
     headline_metrics = ()  # the loss says it all

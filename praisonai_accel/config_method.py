@@ -12,7 +12,9 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 
 class MethodChoice(BaseModel):
-    """`method:` and what TrainConfig asks of the chosen method's class."""
+    """Method: the training method; its own keys are listed under "Keys of each method".
+
+    Also what TrainConfig asks of the chosen method's class."""
 
     # The training method (methods/registry.py): a built-in (sft, dpo, orpo, kto, grpo, reward), a registered or
     # entry-point name, or "package.module:Class". parse_config validates against TrainConfig composed with its keys.

@@ -212,6 +212,27 @@ def test_heads_and_paths_that_are_not_reward_models_are_named(tiny_model, tmp_pa
     assert "is not a directory" in reward_model_problem(tmp_path / "nothing")
 
 
+def test_the_method_declares_its_check_head_headline_and_report_row(tmp_path):
+    """What the house asks of method: reward goes through its class (the registry's seam), not its name."""
+    from praisonai_accel.checks import method_rule
+    from praisonai_accel.config import parse_config
+    from praisonai_accel.methods.registry import method_class
+
+    assert method_class("reward") is RewardMethod and RewardMethod.model_head == "sequence-classification"
+    assert RewardMethod.headline_metrics == ("accuracy", "margin")
+    two = tmp_path / "two-labels"
+    two.mkdir()
+    (two / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                 "id2label": {"0": "a", "1": "b"}}))
+    config = parse_config({"model_name": str(two), "dataset": "d.jsonl", "method": "reward"})
+    with pytest.raises(ConfigError, match="has a classification head with 2 labels; a reward model has one"):
+        method_rule(config)
+    records = [{"step": 1, "loss": 0.7, "accuracy": 0.5}, {"step": 2, "eval_loss": 0.6, "eval_accuracy": 0.625},
+               {"step": 4, "eval_loss": 0.5, "eval_accuracy": 0.75}]
+    assert RewardMethod.report_rows(records) == [("eval accuracy (last)", "0.7500 at step 4")]
+    assert RewardMethod.report_rows(records[:1]) == []
+
+
 def test_score_texts_is_the_models_own_forward(tiny):
     path, tokenizer = tiny
     model = _classifier(path, tokenizer, lora=False).eval()

@@ -76,6 +76,7 @@ def run_ours(args) -> dict:
     from praisonai_accel.config import parse_config
     from praisonai_accel.data import ensure_chat_template
     from praisonai_accel.methods import method_for, rollout
+    from praisonai_accel.methods.context import RunContext
     from praisonai_accel.methods.rewards import _checked
 
     torch.manual_seed(0)
@@ -103,6 +104,7 @@ def run_ours(args) -> dict:
                                              task_type="CAUSAL_LM"))
     accelerator = Accelerator(cpu=not args.gpu, mixed_precision="bf16" if args.gpu else "no")
     collate = method.collator(tokenizer.pad_token_id)
+    method.set_up(RunContext(accelerator, tokenizer, config.output_path()))
     module = method.loss_module(model, accelerator=accelerator, tokenizer=tokenizer, use_cuda=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
     module, optimizer = accelerator.prepare(module, optimizer)

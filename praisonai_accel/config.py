@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 from .config_errors import describe_errors
 from .config_keys import (CheckpointKeys, DataKeys, DatasetSpec, EvalKeys, FinetuneKeys, GGUFKeys,
                           LossAndLengthKeys, ModelKeys, OptimizerKeys, OutputKeys, ProcessKeys, PublishKeys)
-from .config_method import MethodKeys
+from .config_method import MethodChoice, config_model
 from .config_vision import VisionKeys
 from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
@@ -59,9 +59,9 @@ class _Strict(BaseModel):
 # The groups are listed last to first: pydantic orders fields from the last base to the first, and this keeps
 # the order the keys are validated (and printed by train --dry-run) in: vision, method, model, ..., GGUF.
 class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, LossAndLengthKeys, ProcessKeys,
-                  OptimizerKeys, FinetuneKeys, DataKeys, ModelKeys, MethodKeys, VisionKeys, _Strict):
-    """Every key of config.yaml: the groups of config_keys.py, the method's keys and the vision keys, and the rules
-    that span groups."""
+                  OptimizerKeys, FinetuneKeys, DataKeys, ModelKeys, MethodChoice, VisionKeys, _Strict):
+    """Every key of config.yaml: the groups of config_keys.py, `method:` (the chosen method's own keys are composed
+    in: config_method.py) and the vision keys, and the rules that span groups."""
 
     @field_validator("sequence_parallel_size")
     @classmethod
@@ -199,7 +199,9 @@ def _dataset_list(value: Any) -> Any:
             for d in items]
 
 
-def parse_config(data: Any, source: str = "config") -> TrainConfig:
+def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> TrainConfig:
+    """The validated config of `data`, as TrainConfig composed with the chosen method's keys; ConfigError (one line,
+    starting with `source`). `config_dir`: where the method's and reward functions' modules are looked for first."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
     secret = next((k for k in data if str(k).lower() in SECRET_KEYS), None)
@@ -210,11 +212,17 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
         if key in data:
             data[key] = _dataset_list(data[key])
     try:
-        return TrainConfig.model_validate(data)
+        model, data = config_model(TrainConfig, data, config_dir)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    try:
+        config = model.model_validate(data)
     except ValidationError as exc:
-        fields = set(TrainConfig.model_fields) | set(DatasetSpec.model_fields)
-        lines = describe_errors(exc.errors(), fields, list(TrainConfig.model_fields), list(DatasetSpec.model_fields))
+        fields = set(model.model_fields) | set(DatasetSpec.model_fields)
+        lines = describe_errors(exc.errors(), fields, list(model.model_fields), list(DatasetSpec.model_fields))
         raise ConfigError("\n".join(f"{source}: {line}" for line in lines)) from None
+    config._config_dir = config_dir
+    return config
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -261,6 +269,4 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
-    config = parse_config(data, source=str(path))
-    config._config_dir = str(path.resolve().parent)  # where methods/rewards.py looks for reward_funcs' modules first
-    return config
+    return parse_config(data, source=str(path), config_dir=str(path.resolve().parent))

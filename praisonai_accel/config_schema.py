@@ -1,7 +1,8 @@
 """config.yaml described as data: its JSON Schema (for editors) and the reference page rendered from it.
 
-Both come from TrainConfig's fields and their descriptions (config_keys.py, and the method and vision keys composed
-into it), so neither can drift from what load_config accepts.
+Both come from TrainConfig's fields and their descriptions (config_keys.py, `method:` and the vision keys) and from
+each built-in method's own keys (methods/registry.BUILTINS, the `keys` model each method class declares), so neither
+can drift from what load_config accepts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from . import __version__
 from .config import KEY_ALIASES, DatasetSpec, TrainConfig
+from .methods.registry import builtin_methods
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 SCHEMA_ID = "urn:praisonai-accel:config.yaml"
@@ -29,6 +31,7 @@ def config_schema() -> dict[str, Any]:
     properties["dataset"] = {"anyOf": one_or_many, "description": properties["dataset"]["description"]}
     properties["eval_dataset"] = {"anyOf": [*one_or_many, {"type": "null"}], "default": None,
                                   "description": properties["eval_dataset"]["description"]}
+    properties.update(method_properties())
     for old, new in KEY_ALIASES.items():
         for holder in (properties, schema["$defs"][DatasetSpec.__name__]["properties"]):
             if new in holder:
@@ -38,6 +41,38 @@ def config_schema() -> dict[str, Any]:
             **{k: v for k, v in schema.items() if k != "title"},
             "title": f"praisonai-accel config.yaml ({__version__})",
             "description": "The training config of praisonai-accel: `praisonai-accel train config.yaml`."}
+
+
+def method_properties() -> dict[str, dict]:
+    """Every built-in method's own keys as properties of one schema: a key several methods declare is one property
+    (their schemas as anyOf where they differ), its description naming the methods that read it and each one's
+    default. Which key goes with which method is checked by `train` and `preview`, not by the schema."""
+    declared: dict[str, list[tuple[str, dict]]] = {}
+    for cls in builtin_methods():
+        for name, schema in cls.keys.model_json_schema()["properties"].items():
+            declared.setdefault(name, []).append((cls.name, schema))
+    merged = {}
+    for name, owners in declared.items():
+        shapes = list({json.dumps({k: v for k, v in schema.items() if k not in ("title", "description", "default")},
+                                  sort_keys=True): None for _, schema in owners})
+        first = owners[0][1]
+        prop = json.loads(shapes[0]) if len(shapes) == 1 else {"anyOf": [json.loads(shape) for shape in shapes]}
+        defaults = {method: schema.get("default") for method, schema in owners}
+        if len(set(map(json.dumps, defaults.values()))) == 1:
+            prop["default"] = first.get("default")
+            defaults_text = ""
+        else:
+            defaults_text = " Default: " + ", ".join(f"{_yaml(v)} ({method})" for method, v in defaults.items()) + "."
+        described: dict[str, list[str]] = {}
+        for method, schema in owners:
+            described.setdefault(schema.get("description", "").strip(), []).append(method)
+        if len(described) == 1:
+            text = f"{next(iter(described))} Read by method: {', '.join(described[next(iter(described))])}."
+        else:
+            text = " ".join(f"method {', '.join(methods)}: {description}" for description, methods in described.items())
+        prop["description"] = text + defaults_text
+        merged[name] = prop
+    return merged
 
 
 def schema_json() -> str:
@@ -109,6 +144,21 @@ def _title(cls: type) -> tuple[str, str]:
     return title.rstrip("."), intro[:1].upper() + intro[1:]
 
 
+def _method_sections() -> list[str]:
+    """One section per built-in method: the keys its class declares, with that method's defaults."""
+    header = "| key | type | default | description |\n|---|---|---|---|"
+    lines = ["## Keys of each method", "",
+             "Written beside the others when `method:` names that method; a key of another method is refused. A "
+             "method a package adds declares its own (see [your own training method](methods.md)).", ""]
+    for cls in builtin_methods():
+        properties = cls.keys.model_json_schema()["properties"]
+        doc = (cls.__dict__.get("__doc__") or "").strip().partition("\n\n")[0].replace("\n", " ")
+        lines += [f"### method: {cls.name}", ""] + ([doc, ""] if doc else [])
+        lines += ([header, *(_row(cls.keys, n, properties[n]) for n in cls.keys.model_fields), ""] if properties
+                  else ["No keys of its own.", ""])
+    return lines
+
+
 def reference_markdown() -> str:
     """docs/reference.md: every key with its type, default and description, grouped as the config classes group
     them."""
@@ -127,6 +177,7 @@ def reference_markdown() -> str:
             spec = defs[DatasetSpec.__name__]
             lines += ["### Each dataset entry", "", _title(DatasetSpec)[0] + ".", "", header,
                       *(_row(DatasetSpec, n, spec["properties"][n]) for n in DatasetSpec.model_fields), ""]
+    lines += _method_sections()
     aliases = ", ".join(f"`{old}` (`{new}`)" for old, new in KEY_ALIASES.items())
     lines += ["## Old names", "", f"Keys of the original PraisonAI train config, accepted for the current ones: {aliases}.",
               "", "## Checking a config in your editor", "",

@@ -18,6 +18,8 @@ from .data import ensure_chat_template, load_tokenizer
 from .data.vision_processor import declares_images, is_vision_checkpoint
 from .distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
+SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (methods/base.py): a reward model
+
 log = logging.getLogger(__name__)
 
 
@@ -42,11 +44,11 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
     """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
     if config.use_unsloth is False:
         return Backend("transformers", reason="use_unsloth: false")
-    if config.method == "reward":  # unsloth's loaders build causal LMs; a reward model is a sequence classifier
+    if config.model_head == SEQUENCE_CLASSIFIER:  # unsloth's loaders build causal LMs
         if config.use_unsloth is True:
-            raise ConfigError("use_unsloth: true: method: reward trains a sequence classifier, which unsloth does not "
-                              "load; set use_unsloth: auto or false")
-        return Backend("transformers", reason="a reward model (sequence classifier)")
+            raise ConfigError(f"use_unsloth: true: method: {config.method} trains a sequence classifier, which unsloth "
+                              "does not load; set use_unsloth: auto or false")
+        return Backend("transformers", reason="a sequence classifier (a reward model)")
     images = declares_images(config)
     if images:
         if config.use_unsloth is True:
@@ -180,7 +182,7 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
         skips = vision_quantization_skips(config) if vision else None
         kwargs["quantization_config"] = _quantization_config(dtype, skips)
     auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    reward = config.method == "reward"  # a one-label sequence classifier (methods/reward.py)
+    reward = config.model_head == SEQUENCE_CLASSIFIER  # a one-label sequence classifier (methods/reward.py)
     if reward:
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     model = auto_class.from_pretrained(config.model_name, **kwargs)
@@ -223,7 +225,7 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
             return model, tokenizer
         tokenizer = load_tokenizer(config)
         model = _load_with_transformers(config, device_map, dtype)
-        if config.method == "reward":  # the classifier reads each row's reward at its last non-pad token
+        if config.model_head == SEQUENCE_CLASSIFIER:  # the classifier reads each row's reward at its last non-pad token
             model.config.pad_token_id = tokenizer.pad_token_id
         return model, tokenizer
     except (OSError, ValueError) as exc:  # missing files, bad repo ids, unreadable configs

@@ -42,39 +42,22 @@ def marked_text(tokenizer, input_ids, labels, colour: bool, images=()) -> str:
 
 
 def image_marks(tokenizer, row) -> list[tuple[int, int, str]]:
-    """Where each image of an example with images goes (data/vision_rows.image_spans); none for text."""
+    """Where each image of an example with images goes (methods/vision_rows.image_spans); none for text."""
     from .data.vision_processor import processor_of
 
     processor = processor_of(tokenizer)
     if processor is None or "images" not in row:
         return []
     from .data.images import decode_references
-    from .data.vision_rows import image_spans
+    from .methods.vision_rows import image_spans
 
     return image_spans(processor, [int(i) for i in row["input_ids"]], decode_references(row["images"]))
 
 
-def example_parts(row) -> list[tuple[str, list[int], list[int]]]:
-    """The parts of one encoded example to show, as (title, input_ids, labels): an SFT row is one part; a preference
-    pair is its prompt, then chosen and rejected after it; a KTO example its prompt, then its completion, titled by
-    its label. A part's trained tokens are those whose label is not IGNORE_INDEX."""
-    if "labels" in row:
-        return [("", list(row["input_ids"]), list(row["labels"]))]
-    if "prompt_input_ids" in row:  # GRPO: a prompt; its completions are sampled during training
-        ids = list(row["prompt_input_ids"])
-        return [("prompt (completions are sampled in training)", ids, [IGNORE_INDEX] * len(ids))]
-    if "chosen_input_ids" in row:
-        sides = [("chosen", "chosen"), ("rejected", "rejected")]
-    else:
-        sides = [("completion", "completion (desirable)" if int(row["label"][0]) else "completion (undesirable)")]
-    first = sides[0][0]
-    ids, labels = list(row[f"{first}_input_ids"]), list(row[f"{first}_labels"])
-    start = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
-    parts = [("prompt", ids[:start], labels[:start])]
-    for key, title in sides:
-        ids, labels = list(row[f"{key}_input_ids"]), list(row[f"{key}_labels"])
-        parts.append((title, ids[start:], labels[start:]))
-    return parts
+def example_parts(config, row) -> list[tuple[str, list[int], list[int]]]:
+    """The parts of one encoded example to show, as (title, input_ids, labels), as the training method splits it
+    (methods/base.TrainingMethod.preview_parts). A part's trained tokens are those whose label is not IGNORE_INDEX."""
+    return type(config).training_method.preview_parts(row)
 
 
 def histogram(lengths: list[int], max_length: int, buckets: int = 8, width: int = 40) -> list[str]:

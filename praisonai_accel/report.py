@@ -36,10 +36,7 @@ class RunReport:
     adapter: str | None  # the final model's directory, adapter or whole model
     headline: dict[str, tuple[float, float]] = field(default_factory=dict)  # the method's metrics: first, last
     full_model: bool = False  # a full fine-tune: the final directory holds a model, not an adapter
-
-    @property
-    def rewards(self) -> tuple[float, float] | None:
-        return self.headline.get("reward")
+    method_rows: list[tuple[str, str]] = field(default_factory=list)  # the method's (TrainingMethod.report_rows)
 
     def rows(self) -> list[tuple[str, str]]:
         def number(value, fmt=".4f"):
@@ -53,6 +50,7 @@ class RunReport:
             ("steps", f"{self.steps_done}{planned}"),
             ("loss (first -> last)", f"{number(self.first_loss)} -> {number(self.last_loss)}"),
             *headline,
+            *self.method_rows,
             ("best training loss", number(self.best_loss)),
             ("best eval loss", number(self.best_eval_loss)),
             ("tokens/s (median)", number(self.tokens_per_second, ",.0f")),
@@ -88,6 +86,7 @@ def read_run(output_dir: Path) -> RunReport:
         adapter=str(final_dir) if final_dir else None,
         headline=_headline(steps, progress),
         full_model=final_dir is not None and not (final_dir / "adapter_config.json").is_file(),
+        method_rows=_method_rows(progress, records),
     )
 
 
@@ -163,6 +162,20 @@ def _headline(steps: list[dict], progress: dict) -> dict[str, tuple[float, float
         if values:
             out[name] = (values[0], values[-1])
     return out
+
+
+def _method_rows(progress: dict, records: list[dict]) -> list[tuple[str, str]]:
+    """The rows the run's training method adds (progress.json names it); none when it cannot be found here."""
+    from .methods.registry import method_class
+
+    if not progress.get("method"):
+        return []  # a run from before progress.json named its method
+    try:
+        method = method_class(progress["method"], progress.get("config_dir"))
+    except ValueError as exc:
+        log.warning("warning: %s; the report shows no rows of the method", exc)
+        return []
+    return method.report_rows(records)
 
 
 def _read_json(path: Path) -> dict:

@@ -374,5 +374,4 @@ def prepare_loader(accelerator, loader, layout: Layout):
         rng_types=accelerator.rng_types.copy(), dispatch_batches=accelerator.dispatch_batches,
         even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
         data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking)
-    accelerator._dataloaders.append(prepared)
-    return prepared
+    return prepared  # the caller registers it with accelerate (worker/accelerator.track_loader)

@@ -73,8 +73,23 @@ def test_the_schema_accepts_the_shapes_and_old_names_the_loader_accepts():
 
 
 def test_the_schema_names_exactly_the_keys_the_loader_reads():
+    """TrainConfig's keys and every built-in method's own (each naming the methods that read it)."""
+    from praisonai_accel.methods.registry import builtin_methods
+
     schema = config_schema()
-    assert set(schema["properties"]) == set(TrainConfig.model_fields) | set(KEY_ALIASES) - {"split_type"}
+    method_keys = {name for cls in builtin_methods() for name in cls.keys.model_fields}
+    assert {"beta", "loss_type", "desirable_weight", "reward_funcs", "center_rewards_coefficient"} <= method_keys
+    assert set(schema["properties"]) == set(TrainConfig.model_fields) | set(KEY_ALIASES) - {"split_type"} | method_keys
+    properties = schema["properties"]
+    assert properties["center_rewards_coefficient"]["description"].endswith("Read by method: reward.")
+    assert "Default: 0.1 (dpo), 0.1 (orpo), 0.1 (kto), 0.0 (grpo)." in properties["beta"]["description"]
+    grpo = {"model_name": "m", "dataset": "d.jsonl", "method": "grpo", "reward_funcs": ["format"], "loss_type": "dapo"}
+    assert _errors(grpo) == [] and len(_errors({**grpo, "loss_type": "dappo"})) == 1
+    page = reference_markdown()
+    for cls in builtin_methods():
+        assert f"### method: {cls.name}" in page
+        section = page.split(f"### method: {cls.name}")[1].split("###")[0]
+        assert all(f"| `{name}` |" in section for name in cls.keys.model_fields), cls.name
     assert set(schema["$defs"]["DatasetSpec"]["properties"]) == set(DatasetSpec.model_fields) | {"split_type"}
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from praisonai_accel.config import DatasetSpec, parse_config
+from praisonai_accel.methods import method_for
 from praisonai_accel.data import (
     IGNORE_INDEX, INPUTS_INDEX, Conversation, DataError, PadCollator, cache_key, cached_for_inputs, encode_chat,
     encode_text, ensure_chat_template, load_datasets, load_or_build, plan_masking, to_conversation,
@@ -150,12 +151,12 @@ def test_long_rows_are_all_trained_by_default(tmp_path, tokenizer):
     write_jsonl(long_records(400), tmp_path / "long.jsonl")
     spec = [{"name": str(tmp_path / "long.jsonl")}]
     by_default = config_for(tmp_path, spec, max_seq_length=128)
-    data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache")
+    data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache", method_for(by_default).data(tokenizer))
     (d,) = stats.datasets
     assert (d.rows, d.examples, d.dropped) == (400, 400, 0) and len(data) == 400 and d.response_cut > 100
     assert max(len(data[i]["input_ids"]) for i in range(len(data))) <= 128
     drop = config_for(tmp_path, spec, max_seq_length=128, excess_length_strategy="drop")
-    _, stats, _ = load_or_build(drop.dataset, tokenizer, drop, tmp_path / "cache")
+    _, stats, _ = load_or_build(drop.dataset, tokenizer, drop, tmp_path / "cache", method_for(drop).data(tokenizer))
     assert stats.datasets[0].dropped == d.response_cut and any("dropped" in w for w in stats.warnings())
 
 
@@ -169,17 +170,17 @@ def test_local_formats_are_concatenated_cached_and_counted(tmp_path, tokenizer):
     (tmp_path / "e.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "bob"}]}]))
     specs = [{"name": str(tmp_path / n)} for n in ("a.jsonl", "b.csv", "c.parquet", "d.txt", "e.json")]
     config = config_for(tmp_path, specs)
-    data, stats, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    data, stats, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache", method_for(config).data(tokenizer))
     assert not cached and len(data) == 3 + 2 + 1 + 2 + 1
     assert [d.examples for d in stats.datasets] == [3, 2, 1, 2, 1] and all(d.dropped == 0 for d in stats.datasets)
     assert trained_text(data[3], tokenizer) == "2 plus 2 is 4<|im_end|>"
     assert trained_text(data[6], tokenizer).startswith("ada likes red")
-    again, stats_again, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    again, stats_again, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache", method_for(config).data(tokenizer))
     assert cached and [again[i]["input_ids"].tolist() for i in range(len(again))] == \
         [data[i]["input_ids"].tolist() for i in range(len(data))]
     assert stats_again == stats  # cached runs report the same statistics
     write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 4, tmp_path / "a.jsonl")
-    changed, _, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    changed, _, cached = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache", method_for(config).data(tokenizer))
     assert not cached and len(changed) == 10  # editing a source file invalidates the cache
 
 
@@ -215,7 +216,7 @@ def test_a_filled_cache_is_found_from_the_files_without_a_tokenizer(tmp_path, ti
     def fill(cfg):
         tok = AutoTokenizer.from_pretrained(str(model))
         ensure_chat_template(tok, cfg.chat_template)
-        load_datasets(cfg, tok)
+        load_datasets(cfg, tok, method_for(cfg).data(tok))
 
     assert not cached_for_inputs(config())
     fill(config())
@@ -248,17 +249,17 @@ def test_dropped_and_truncated_examples_are_counted_and_warned(tmp_path, tokeniz
     write_jsonl(rows, tmp_path / "a.jsonl")
     config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=24,
                         excess_length_strategy="drop")
-    data, stats, _ = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+    data, stats, _ = load_or_build(config.dataset, tokenizer, config, tmp_path / "cache", method_for(config).data(tokenizer))
     (d,) = stats.datasets
     assert (d.rows, d.examples, d.dropped) == (7, 4, 3) and len(data) == 4  # the response alone exceeds 24 tokens
     assert any("3 of 7 examples (43%) dropped" in w for w in stats.warnings())
     by_default = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=24)
-    data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache")
+    data, stats, _ = load_or_build(by_default.dataset, tokenizer, by_default, tmp_path / "cache", method_for(by_default).data(tokenizer))
     (d,) = stats.datasets
     assert (d.examples, d.truncated, d.response_cut, d.dropped) == (7, 3, 3, 0) and not stats.warnings()
     assert "3 truncated (3 with the response cut), 0 dropped" in d.line()
     keep = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl"), "num_samples": 7}], max_seq_length=48)
-    _, stats, _ = load_or_build(keep.dataset, tokenizer, keep, tmp_path / "cache")
+    _, stats, _ = load_or_build(keep.dataset, tokenizer, keep, tmp_path / "cache", method_for(keep).data(tokenizer))
     assert (stats.datasets[0].truncated, stats.datasets[0].dropped) == (3, 0)  # now the replies fit: prompts are cut
 
 
@@ -275,7 +276,7 @@ def test_bad_data_is_a_clear_error(tmp_path, tokenizer, content, spec, message):
     (tmp_path / "bad.jsonl").write_text(content)
     config = config_for(tmp_path, [{"name": str(tmp_path / "bad.jsonl"), **spec}])
     with pytest.raises(DataError) as caught:
-        load_or_build(config.dataset, tokenizer, config, tmp_path / "cache")
+        load_or_build(config.dataset, tokenizer, config, tmp_path / "cache", method_for(config).data(tokenizer))
     assert message in str(caught.value)
 
 
@@ -288,7 +289,7 @@ def test_masking_problems_found_on_the_sample_are_reported(tmp_path, tokenizer):
                           "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
     write_jsonl([{"instruction": "add 1 and 1", "input": "", "output": "1 plus 1 is 2"}] * 4, tmp_path / "a.jsonl")
     config = config_for(tmp_path, [{"name": str(tmp_path / "a.jsonl")}])
-    _, stats, _ = load_or_build(config.dataset, bare, config, tmp_path / "cache")
+    _, stats, _ = load_or_build(config.dataset, bare, config, tmp_path / "cache", method_for(config).data(bare))
     assert stats.datasets[0].masking_problems.startswith("the end-of-turn token after an assistant reply is not trained")
     assert any("chat template custom (rendered spans)" in w for w in stats.warnings())
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from praisonai_accel.config import parse_config
+from praisonai_accel.methods import method_for
 from praisonai_accel.data import (
     SKIPPED_FILE, DataError, TokenizedDataset, cache_key, ensure_chat_template, load_datasets, load_or_build,
 )
@@ -129,7 +130,7 @@ def test_tool_calls_on_a_template_without_tools_are_refused_and_render_with_one_
     cfg = parse_config(yaml.safe_load(qwen.read_text()))
     tokenizer = AutoTokenizer.from_pretrained(str(PHI3))
     ensure_chat_template(tokenizer, cfg.chat_template)
-    train = load_datasets(cfg, tokenizer)[0]
+    train = load_datasets(cfg, tokenizer, method_for(cfg).data(tokenizer))[0]
     text = tokenizer.decode(train[1]["input_ids"])
     trained = tokenizer.decode([t for t, l in zip(train[1]["input_ids"], train[1]["labels"]) if l != -100])
     assert "get_news_headlines" in text and "Hurricane Ida hits Louisiana" in text
@@ -191,8 +192,9 @@ def test_only_length_is_called_length_and_dropped_rows_are_listed(tmp_path, toke
     tokenizer, config_for = tokenizer_config
     rows = [good(0), {"instruction": "q", "input": "", "output": "ada " * 60}, good(1)]
     jsonl(tmp_path / "a.jsonl", rows)
-    specs, _, cfg, cache = config_for(tmp_path, "a.jsonl", max_seq_length=24, excess_length_strategy="drop")
-    out = load_datasets(cfg.model_copy(update={"dataset_prepared_path": str(cache)}), tokenizer)
+    specs, _, cfg, cache, _ = config_for(tmp_path, "a.jsonl", max_seq_length=24, excess_length_strategy="drop")
+    moved = cfg.model_copy(update={"dataset_prepared_path": str(cache)})
+    out = load_datasets(moved, tokenizer, method_for(moved).data(tokenizer))
     assert out[1].datasets[0].dropped == 1 and not out[1].skipped  # dropped for length is no invalid row
     (record,) = [json.loads(l) for l in (cfg.output_path() / "logs" / SKIPPED_FILE).read_text().splitlines()]
     assert record["line"] == 2 and record["kind"] == "does not fit in max_seq_length"
@@ -205,7 +207,7 @@ def test_skip_invalid_rows_and_the_check_version_key_the_cache(tmp_path, tokeniz
 
     tokenizer, config_for = tokenizer_config
     jsonl(tmp_path / "a.jsonl", [good(0), good(1)])
-    specs, _, cfg, _ = config_for(tmp_path, "a.jsonl")
+    specs, _, cfg, _, _ = config_for(tmp_path, "a.jsonl")
     keys = {cache_key(specs, tokenizer, cfg), cache_key(specs, tokenizer, cfg.model_copy(update={"skip_invalid_rows": True}))}
     original = cache_module.PREPROCESS_VERSION
     try:
@@ -268,6 +270,6 @@ def tokenizer_config(tiny_model):
     def config_for(directory: Path, name: str, **kw):
         cfg = parse_config({"model_name": str(tiny_model), "dataset": [{"name": str(directory / name)}],
                             "output_dir": str(directory / "out"), **kw})
-        return cfg.dataset, tokenizer, cfg, directory / "cache"
+        return cfg.dataset, tokenizer, cfg, directory / "cache", method_for(cfg).data(tokenizer)
 
     return tokenizer, config_for

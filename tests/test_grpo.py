@@ -170,6 +170,7 @@ def _setup(tmp_path, model_dir, tokenizer, **overrides):
     from transformers import AutoModelForCausalLM
 
     from praisonai_accel.methods import method_for
+    from praisonai_accel.methods.context import RunContext
 
     config = _grpo_config(tmp_path, model_dir, **overrides)
     method = method_for(config)
@@ -177,6 +178,7 @@ def _setup(tmp_path, model_dir, tokenizer, **overrides):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
                            LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     accelerator = Accelerator(cpu=True)
+    method.set_up(RunContext(accelerator, tokenizer, config.output_path()))
     collate = method.collator(tokenizer.pad_token_id)
     module = accelerator.prepare(method.loss_module(model, accelerator=accelerator, tokenizer=tokenizer,
                                                     use_cuda=False))
@@ -311,6 +313,7 @@ def test_num_iterations_trains_on_one_rollout_with_the_generating_policys_log_pr
     method.save_state(tmp_path, accelerator, 1)
     assert (tmp_path / "rollout_0.safetensors").is_file()
     resumed = method_for(method.config)
+    resumed.set_up(method.run)
     resumed.load_state(tmp_path, accelerator, 1)
     again = resumed.rollout(accelerator, module, group, 1)
     for a, b in zip(again, first):
@@ -364,7 +367,9 @@ def test_a_checkpoint_mid_way_through_num_iterations_resumes_only_on_its_layout(
 
 
 def test_preview_shows_a_prompt_with_nothing_trained():
+    from praisonai_accel.config import parse_config
     from praisonai_accel.preview import example_parts
 
-    (title, ids, labels), = example_parts({"prompt_input_ids": [5, 6, 7], "row": [123], "row_number": [0, 1, 1]})
+    config = parse_config({"model_name": "m", "dataset": "d.jsonl", "method": "grpo", "reward_funcs": ["exact_match"]})
+    (title, ids, labels), = example_parts(config, {"prompt_input_ids": [5, 6, 7], "row": [123], "row_number": [0, 1, 1]})
     assert title.startswith("prompt") and ids == [5, 6, 7] and labels == [-100] * 3

@@ -275,10 +275,14 @@ def test_the_worker_exits_with_the_reward_failure_code(tmp_path, capsys, monkeyp
     monkeypatch.setattr(FILE_ONLY, "handlers", [logging.NullHandler()])  # a worker's goes to its rank's log file
 
     env = DistEnv.from_environ()
-    config = SimpleNamespace(output_path=lambda: tmp_path)
+    from praisonai_accel.config import parse_config
+    from praisonai_accel.methods.grpo import REWARD_FAILED_EXIT_CODE
+
+    config = parse_config({"model_name": "m", "dataset": "d.jsonl", "method": "grpo", "reward_funcs": ["exact_match"],
+                           "output_dir": str(tmp_path)})
     (tmp_path / "logs").mkdir()
     code = main._failed(rw.RewardError("reward function r failed on row 2: KeyError: 'x'"), env, config, None)
-    assert code == main.REWARD_FAILED_EXIT_CODE not in (main.FAILED_EXIT_CODE, main.BAD_INPUT_EXIT_CODE)
+    assert code == REWARD_FAILED_EXIT_CODE not in (main.FAILED_EXIT_CODE, main.BAD_INPUT_EXIT_CODE)
     assert capsys.readouterr().err == "error: reward function r failed on row 2: KeyError: 'x'\n"
     # another rank failing in the same attempt only logs: the job says it once
     assert main._failed(rw.RewardError("reward function r failed on row 9: KeyError: 'x'"), env, config, None) == 3

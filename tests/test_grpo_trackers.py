@@ -17,12 +17,13 @@ def test_completions_go_to_tensorboard_as_a_table(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from praisonai_accel.methods.grpo import completions_to_trackers
+    from praisonai_accel.worker.accelerator import log_table
 
     writer = SummaryWriter(str(tmp_path))
     trackers = {"tensorboard": writer}
     accelerator = SimpleNamespace(get_tracker=lambda name, unwrap=False: trackers[name])
-    completions_to_trackers(accelerator, ["tensorboard", "mlflow"], 3, RECORDS)
+    log_table(accelerator, ["tensorboard", "mlflow"], "completions", ["prompt", "completion", "reward"],
+              [[r["prompt"], r["completion"], r["reward"]] for r in RECORDS], 3)
     writer.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()

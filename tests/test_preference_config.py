@@ -24,8 +24,10 @@ def test_defaults_are_trls():
     assert config.precompute_ref_log_probs == _default(DPOConfig, "precompute_ref_log_probs")
     assert config.loss_type == "sigmoid"
     assert config.simpo_gamma == _default(CPOConfig, "simpo_gamma")
-    assert config.desirable_weight == _default(KTOConfig, "desirable_weight")
-    assert config.undesirable_weight == _default(KTOConfig, "undesirable_weight")
+    kto = parse_config({**BASE, "method": "kto"})  # each method has its own keys: KTO's weights are KTO's alone
+    assert kto.desirable_weight == _default(KTOConfig, "desirable_weight")
+    assert kto.undesirable_weight == _default(KTOConfig, "undesirable_weight")
+    assert not hasattr(config, "desirable_weight")
     assert parse_config(BASE).method == "sft"
 
 

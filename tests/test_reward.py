@@ -181,16 +181,18 @@ def test_margin_rides_through_the_int_cache_exactly_and_a_bad_one_is_named(tiny)
 
 
 def test_config_refuses_reward_keys_elsewhere_and_other_keys_here(tiny_model, tmp_path):
-    from praisonai_accel.config import TrainConfig
+    from praisonai_accel.config import parse_config
 
     base = {"model_name": str(tiny_model), "dataset": [{"name": "x.jsonl"}]}
-    config = TrainConfig(**base, method="reward", center_rewards_coefficient=0.01,
-                         metric_for_best_model="eval_accuracy")
-    assert config.center_rewards_coefficient == 0.01
-    with pytest.raises(ValueError, match="center_rewards_coefficient: belongs to method reward, not to method: dpo"):
-        TrainConfig(**base, method="dpo", center_rewards_coefficient=0.01)
-    with pytest.raises(ValueError, match="beta: belongs to method"):
-        TrainConfig(**base, method="reward", beta=0.5)
+    config = parse_config({**base, "method": "reward", "center_rewards_coefficient": 0.01,
+                           "metric_for_best_model": "eval_accuracy"})
+    assert config.center_rewards_coefficient == 0.01 and config.model_head == "sequence-classification"
+    with pytest.raises(ConfigError, match="center_rewards_coefficient: belongs to method reward, not to method: dpo"):
+        parse_config({**base, "method": "dpo", "center_rewards_coefficient": 0.01})
+    with pytest.raises(ConfigError, match="beta: belongs to method"):
+        parse_config({**base, "method": "reward", "beta": 0.5})
+    with pytest.raises(ConfigError, match="packing: method reward trains whole pairs"):
+        parse_config({**base, "method": "reward", "packing": True})
 
 
 def test_heads_and_paths_that_are_not_reward_models_are_named(tiny_model, tmp_path):
@@ -208,6 +210,27 @@ def test_heads_and_paths_that_are_not_reward_models_are_named(tiny_model, tmp_pa
     (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM"}))
     assert "not a sequence classifier (SEQ_CLS)" in reward_model_problem(adapter)
     assert "is not a directory" in reward_model_problem(tmp_path / "nothing")
+
+
+def test_the_method_declares_its_check_head_headline_and_report_row(tmp_path):
+    """What the house asks of method: reward goes through its class (the registry's seam), not its name."""
+    from praisonai_accel.checks import method_rule
+    from praisonai_accel.config import parse_config
+    from praisonai_accel.methods.registry import method_class
+
+    assert method_class("reward") is RewardMethod and RewardMethod.model_head == "sequence-classification"
+    assert RewardMethod.headline_metrics == ("accuracy", "margin")
+    two = tmp_path / "two-labels"
+    two.mkdir()
+    (two / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                 "id2label": {"0": "a", "1": "b"}}))
+    config = parse_config({"model_name": str(two), "dataset": "d.jsonl", "method": "reward"})
+    with pytest.raises(ConfigError, match="has a classification head with 2 labels; a reward model has one"):
+        method_rule(config)
+    records = [{"step": 1, "loss": 0.7, "accuracy": 0.5}, {"step": 2, "eval_loss": 0.6, "eval_accuracy": 0.625},
+               {"step": 4, "eval_loss": 0.5, "eval_accuracy": 0.75}]
+    assert RewardMethod.report_rows(records) == [("eval accuracy (last)", "0.7500 at step 4")]
+    assert RewardMethod.report_rows(records[:1]) == []
 
 
 def test_score_texts_is_the_models_own_forward(tiny):

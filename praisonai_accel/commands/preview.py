@@ -30,7 +30,7 @@ def preview_command(
     show = console.print if colour else typer.echo
     legend = "trained tokens in green" if colour else "trained tokens between [[ and ]]"
     for index in range(min(examples, len(data))):
-        parts = example_parts(data[index])
+        parts = example_parts(cfg, data[index])
         tokens = sum(len(ids) for _, ids, _ in parts)
         trained = sum(label != IGNORE_INDEX for _, _, labels in parts for label in labels)
         show(f"--- example {index + 1} of {len(data)}: {tokens} tokens, {trained} trained ({legend})")

@@ -46,7 +46,8 @@ def score_command(
     """Print the reward of each prompt + completion, one per line, in order. Text is put in the chat template as a
     user and an assistant message, as conversational training rows are, unless --raw."""
     from ..inference import ModelDirError, resolve_model_dir
-    from ..methods.reward import load_scorer, reward_model_problem, score_texts
+    from ..methods.reward import reward_model_problem
+    from ..methods.reward_module import load_scorer, score_texts
 
     prompt, completion = prompt or [], completion or []
     if file is not None:

@@ -9,8 +9,8 @@ import typer
 import yaml
 
 from ..checks import (
-    device_map_rule, final_model_dir_rule, generation_rule, reentrant_rule, resume_rule, reward_model_rule,
-    sequence_parallel_rule, vision_rule,
+    device_map_rule, final_model_dir_rule, method_rule, reentrant_rule, resume_rule, sequence_parallel_rule,
+    vision_rule,
 )
 from ..config import load_config
 from ..data.vision_processor import declares_images
@@ -33,8 +33,7 @@ def check_before_launch(config, num_processes: int) -> str:
     reentrant_rule(config, num_processes)
     if config.sequence_parallel_size > 1:
         sequence_parallel_rule(config, num_processes, local_model_config(config))
-    generation_rule(config)
-    reward_model_rule(config)  # method: reward (methods/reward.py)
+    method_rule(config)
     final_model_dir_rule(config)
     vision_rule(config, declares_images(config))
     return describe_start(config, num_processes)

@@ -2,7 +2,7 @@
 
 sources (rows with their numbers) -> formats (rows -> conversations, and the row check) -> templates (the chat
 template and its masking: chat_masking, masking_check) -> encoding (and truncation) -> preprocess (the driver, through
-the training method's data half: sft_rows) -> cache (keys, statistics, the by-inputs index) -> tokenized (the arrays
+the training method's data half, which the caller passes: methods/sft_rows for SFT) -> cache (keys, statistics, the by-inputs index) -> tokenized (the arrays
 training reads) -> batching and packing. cache.wait_for_cache is how a rank waits for the rank building the cache (handoff.py: the one wait).
 Every name other modules import is exported here.
 """
@@ -23,10 +23,9 @@ from .formats import (
 from .masking_check import MaskingReport, check_masking
 from .packing import PackedDataset, best_fit_decreasing
 from .preprocess import (
-    MASKING_SAMPLE, check_rows, data_method, invalid_rows_error, load_datasets, load_or_build, report_stats,
+    MASKING_SAMPLE, check_rows, invalid_rows_error, load_datasets, load_or_build, report_stats,
     tokenize_dataset, write_skipped_rows,
 )
-from .sft_rows import SFTData
 from .sources import RawRows, load_raw, read_rows
 from .templates import (
     FALLBACK_CHAT_TEMPLATE, describe_plan, dropped_by_template, ensure_chat_template, load_tokenizer,

@@ -50,9 +50,8 @@ def cache_key(specs: list[DatasetSpec], tokenizer, config: TrainConfig) -> str:
 
 
 def method_identity(config: TrainConfig) -> dict:
-    """What of the training method changes the encoded examples: SFT keys stay as they were."""
-    method = getattr(config, "method", "sft")
-    return {} if method == "sft" else {"method": method, "max_prompt_length": config.max_prompt_length}
+    """What of the training method changes the encoded examples (the method says: methods/base.cache_identity)."""
+    return type(config).training_method.cache_identity(config)
 
 
 def image_identity(tokenizer) -> dict:

@@ -1,5 +1,5 @@
 """The preprocessing driver: every dataset read with its rows' numbers, each row checked against its format, encoded
-by the training method's data half (SFT: sft_rows.SFTData) and kept in the cache with what happened to it.
+by the training method's data half (methods.TrainingMethod.data: SFT's is methods/sft_rows.SFTData) and kept in the cache with what happened to it.
 
 A row that does not fit its format stops the run before training with one line naming the first bad rows and how
 many there are; with `skip_invalid_rows: true` the rest is trained, and every row not trained (invalid, or too long
@@ -25,7 +25,6 @@ from .cache import (
 )
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem
-from .sft_rows import SFTData
 from .sources import RawRows, read_rows
 from .templates import describe_plan
 from .tokenized import TokenizedDataset
@@ -35,18 +34,6 @@ SHOWN_INVALID = 3  # invalid rows named in the error line
 _POSITION, _JSON = "__praisonai_position__", "__praisonai_row__"
 
 log = logging.getLogger("praisonai_accel")
-
-
-def data_method(tokenizer, config: TrainConfig):
-    """SFT's data half: what the driver uses when the caller names no other (methods.TrainingMethod.data); rows
-    with images for a vision-language model's tokenizer (it carries the processor)."""
-    from .vision_processor import processor_of
-
-    if processor_of(tokenizer) is not None:
-        from .vision_rows import VisionSFTData
-
-        return VisionSFTData(tokenizer, config)
-    return SFTData(tokenizer, config)
 
 
 @dataclass
@@ -150,12 +137,11 @@ def check_rows(config: TrainConfig, method) -> None:
         raise DataError(invalid_rows_error(invalid, formats))
 
 
-def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, method=None):
+def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, method):
     """The encoded examples of every dataset, concatenated; what happened to each dataset; and every row not
     trained (SkippedRow). Invalid rows stop it here unless config.skip_invalid_rows."""
     import datasets
 
-    method = method or data_method(tokenizer, config)
     parts, stats, invalid, skipped, formats = [], PreprocessReport(), [], [], {}
     for index, spec in enumerate(specs):
         raw = read_rows(spec)
@@ -205,7 +191,7 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, m
     return tokenized, stats, skipped
 
 
-def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cache_root: Path, method_data=None):
+def load_or_build(specs: list[DatasetSpec], tokenizer, config: TrainConfig, cache_root: Path, method_data):
     """Tokenize once and keep the result, with its statistics, on disk; later runs and other ranks load it.
 
     Returns (TokenizedDataset, stats, from_cache)."""
@@ -218,7 +204,7 @@ def _read_skipped(target: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _load_or_build_at(target: Path, specs: list[DatasetSpec], tokenizer, config: TrainConfig, method_data=None):
+def _load_or_build_at(target: Path, specs: list[DatasetSpec], tokenizer, config: TrainConfig, method_data):
     """(data, stats, from_cache, skipped row records) of one cache entry, built first when missing."""
     if TokenizedDataset.exists(target) and (target / STATS_FILE).exists():
         return TokenizedDataset.load(target), PreprocessReport.load(target / STATS_FILE), True, _read_skipped(target)
@@ -246,10 +232,10 @@ def write_skipped_rows(config: TrainConfig, records: list[dict]) -> Path:
     return path
 
 
-def load_datasets(config: TrainConfig, tokenizer, method_data=None):
+def load_datasets(config: TrainConfig, tokenizer, method_data):
     """The tokenized training set, its statistics, whether it came from the cache, and the eval set (or None):
     what training, `preprocess` and `preview` all read, from one cache. `method_data`: the run's training method's
-    data half (methods.TrainingMethod.data); SFT's when None."""
+    data half (methods.TrainingMethod.data)."""
     entries = cache_entries(config, tokenizer)  # keying hashes the whole vocabulary: once per entry
     train, stats, cached, skipped = _load_or_build_at(entries[0], config.dataset, tokenizer, config, method_data)
     records = [{"split": "train", **r} for r in skipped]

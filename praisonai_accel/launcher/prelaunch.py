@@ -1,5 +1,5 @@
 """Checks only the launching machine can make, before any process starts: local paths exist, a chat template
-file reads, the reward functions import, the trackers and the Hub token are there, an --accelerate-config is not
+file reads, the method's own launch checks (GRPO's reward functions import), the trackers and the Hub token are there, an --accelerate-config is not
 DeepSpeed. Each raises ConfigError with one line; the CLI shows it (the rules the worker checks again are in checks.py)."""
 
 from __future__ import annotations
@@ -30,16 +30,7 @@ def check_local_inputs(config) -> None:
                 raise ConfigError(f"{key}[{index}].name: unsupported file type '{path.suffix}' "
                                   f"(use {', '.join(LOCAL_SUFFIXES)})")
     check_chat_template(config)
-    check_reward_functions(config)
-
-
-def check_reward_functions(config) -> None:
-    """method grpo: each of reward_funcs imports (next to the config file first) and can take TRL's call; the
-    workers load them again with the same function."""
-    if config.method == "grpo":
-        from ..methods.rewards import load_reward_functions
-
-        load_reward_functions(config)
+    type(config).training_method.check_launch(config)  # GRPO: reward_funcs import and take TRL's call
 
 
 def check_chat_template(config) -> None:

@@ -18,13 +18,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..data.chat_masking import IGNORE_INDEX
+from .method_keys import NoKeys
+
 log = logging.getLogger("praisonai_accel")
 
 
 class TrainingMethod:
+    """Registered by name in methods/registry.py. Its class attributes and class methods are what the config, the
+    checks, `preview`, `report`, the cache and the worker's exit codes ask of it, before anything imports torch."""
+
     name: str = ""
+    # its config keys: a pydantic model (TRL's names and defaults, Field(description=...) on each) that config.yaml's
+    # flat keys are validated against when this method is chosen; a key of another method is refused in one line
+    keys: type = NoKeys
+    loss_types: tuple[str, ...] = ()  # the values of its loss_type key, if it has one
+    metrics: tuple[str, ...] = ()  # what it logs beside loss (TRL's names); metric_for_best_model may name eval_<m>
+    takes_images: bool = False  # trains rows with images (a vision-language model's)
+    # its own exceptions and the worker's exit code for each; the rank that hit one prints its line
+    errors: tuple[tuple[type[BaseException], int], ...] = ()
+    # what model.py loads: "causal-lm" (AutoModelForCausalLM, or the vision-language model's class), or
+    # "sequence-classification" (a one-label AutoModelForSequenceClassification, LoRA task SEQ_CLS: a reward model)
+    model_head: str = "causal-lm"
     unit: str = ""  # what the loss is a mean over, in words: "target tokens", "pairs", "examples"
-    headline_metrics: tuple[str, ...] = ()  # logged metrics shown beside the loss (console, report, loss.png); patterns
+    # logged metrics shown beside the loss on the console line, in `report` (first -> last) and as panels of
+    # loss.png; shell-style patterns such as rewards/*/mean
+    headline_metrics: tuple[str, ...] = ()
     metric_names: tuple[str, ...] = ()  # the metric sums forward returns; reduce_metrics makes the logged values
     # sequence_parallel_size > 1: `forward` then gets each rank's slice of the rows (sequence_parallel.shard_batch:
     # labels already shifted on the whole row, position ids the row's) and `loss_module` must sum that slice's loss.
@@ -37,10 +56,48 @@ class TrainingMethod:
     def __init__(self, config):
         self.config = config
 
+    # ---- what the house asks before anything is launched (no torch)
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Rules of this method that the CLI checks before launch and the worker again at setup (checks.py):
+        ConfigError with one line. The keys' own rules are validators on `keys`."""
+
+    @classmethod
+    def check_launch(cls, config) -> None:
+        """Checks only the launching machine makes (launcher/prelaunch.py), such as importing the user's code the
+        workers will import: ConfigError with one line."""
+
+    @classmethod
+    def cache_identity(cls, config) -> dict:
+        """What of this method changes the encoded examples, keyed into the preprocessing cache (data/cache.py)."""
+        return {"method": config.method}
+
+    @classmethod
+    def preview_parts(cls, row: dict) -> list[tuple[str, list[int], list[int]]]:
+        """The parts of one encoded example `preview` shows, as (title, input_ids, labels); trained tokens are those
+        whose label is not IGNORE_INDEX. Default: the row's input_ids and labels, untitled."""
+        if "labels" in row:
+            return [("", list(row["input_ids"]), list(row["labels"]))]
+        ids = list(row["input_ids"])
+        return [("", ids, [IGNORE_INDEX] * len(ids))]
+
+    @classmethod
+    def report_rows(cls, records: list[dict]) -> list[tuple[str, str]]:
+        """Rows `report` shows for this method from the run's metrics.jsonl records, beyond the headline metrics
+        (which `report` shows first -> last for every method). Default none."""
+        return []
+
+    run = None  # the run's context (methods/context.RunContext), once set_up has been called
+
+    def set_up(self, run) -> None:
+        """Called once by the recipe before `loss_module`, with the run's context (methods/context.RunContext): the
+        accelerator, the tokenizer or processor, the output directory, and the recipe's way to log a table."""
+        self.run = run
+
     # ---- data
     def data(self, tokenizer):
         """The data half the preprocessing driver (data/preprocess.py) runs: `columns` (the ragged int columns of an
-        encoded example), `detect_format`, `check_row`, `encode`, `length`; see data/sft_rows.SFTData."""
+        encoded example), `detect_format`, `check_row`, `encode`, `length`; see methods/sft_rows.SFTData."""
         raise NotImplementedError
 
     # ---- batches

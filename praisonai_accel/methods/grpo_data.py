@@ -61,7 +61,7 @@ def row_of(example: dict) -> dict:
 
 
 class GRPOData:
-    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is data/sft_rows.SFTData)."""
+    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is methods/sft_rows.SFTData)."""
 
     name = "grpo"
     columns = COLUMNS

@@ -1,23 +1,15 @@
-"""Which config keys belong to which training method: a key set for another method is refused with one line."""
+"""The config keys of the built-in training methods, each method's own pydantic model (TRL's names and defaults, a
+description on every field). config.yaml is flat: the chosen method's model is composed into TrainConfig
+(config_method.py), and a key another method declares is refused in one line. Importable without torch."""
 
 from __future__ import annotations
 
 import re
+from typing import Literal
 
-GRPO_KEYS = {"reward_funcs", "reward_weights", "reward_format_pattern", "num_generations", "max_completion_length",
-             "temperature", "top_p", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
-             "mask_truncated_completions", "log_completions", "num_completions_to_print", "use_vllm"}
-METHOD_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs",
-               "desirable_weight", "undesirable_weight", "center_rewards_coefficient", *sorted(GRPO_KEYS))
+from pydantic import BaseModel, Field, model_validator
+
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "hinge", "robust", "simpo"), "grpo": ("grpo", "dapo", "dr_grpo", "bnpo")}
-KEYS_BY_METHOD = {
-    "sft": set(),
-    "dpo": {"beta", "loss_type", "label_smoothing", "simpo_gamma", "max_prompt_length", "precompute_ref_log_probs"},
-    "orpo": {"beta", "max_prompt_length"},
-    "kto": {"beta", "max_prompt_length", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight"},
-    "grpo": {"beta", "loss_type", "max_prompt_length"} | GRPO_KEYS,
-    "reward": {"max_prompt_length", "center_rewards_coefficient"},  # methods/reward.py
-}
 # What each method logs beside its loss (TRL's names); evaluation logs them as eval_<name>. preference_loss uses these.
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
@@ -25,57 +17,86 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/c
 # grpo: clip_ratio is TRL's clip_ratio/region_mean; methods/grpo_loss.py computes the clip ratios and kl
 GRPO_METRICS = ("reward", "reward_std", "completions/mean_length", "clip_ratio", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "kl")
-REWARD_METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")  # methods/reward.py
-METRICS_BY_METHOD = {"sft": (), "dpo": PAIR_METRICS, "orpo": PAIR_METRICS, "kto": KTO_METRICS, "grpo": GRPO_METRICS,
-                     "reward": REWARD_METRICS}
+REWARD_METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")  # TRL's RewardTrainer
 
 
-def best_model_metric(config) -> str:
-    """metric_for_best_model as evaluation logs it ("loss" and names without eval_ mean their eval_ form, as in
-    transformers); ValueError (one line) for a metric the method never logs."""
-    name = config.metric_for_best_model
-    name = name if name.startswith("eval_") else f"eval_{name}"
-    known = ("eval_loss",) + tuple(f"eval_{m}" for m in METRICS_BY_METHOD[config.method])
-    if name not in known:
-        raise ValueError(f"metric_for_best_model: {config.metric_for_best_model!r} is not a metric method: "
-                         f"{config.method} logs; use one of {', '.join(known)}")
-    return name
+def written(config, key: str) -> bool:
+    """A key counts as set when written with a value other than its default: a dumped and re-read config (every key
+    at its default) is the same config."""
+    return key in config.model_fields_set and getattr(config, key) != type(config).model_fields[key].default
 
 
-def check_method_keys(config) -> None:
-    """ValueError (one line) for a key written in the config that the chosen method (or DPO loss_type) does not read."""
-    # A key counts as set when written with a value other than its default: a dumped and re-read config (every key
-    # at its default) is the same config.
-    fields = type(config).model_fields
-    written = {k for k in config.model_fields_set if getattr(config, k) != fields[k].default}
-    method = config.method
-    for key in METHOD_KEYS:
-        if key not in written:
-            continue
-        if key not in KEYS_BY_METHOD[method]:
-            users = [m for m, keys in KEYS_BY_METHOD.items() if key in keys]
-            raise ValueError(f"{key}: belongs to method {' / '.join(users)}, not to method: {method}; remove it or "
-                             f"set method: {users[0]}")
-        if key == "label_smoothing" and config.loss_type not in ("robust", "simpo"):
-            raise ValueError(f"label_smoothing: only loss_type robust or simpo reads it, not loss_type: {config.loss_type}")
-        if key == "simpo_gamma" and config.loss_type != "simpo":
-            raise ValueError(f"simpo_gamma: only loss_type simpo reads it, not loss_type: {config.loss_type}")
-        if key == "precompute_ref_log_probs" and config.loss_type == "simpo":
+class NoKeys(BaseModel):
+    """A method that reads no keys of its own (SFT)."""
+
+
+class _Unpacked(BaseModel):
+    """Keys of a method that trains whole pairs or examples: packing is refused, prompts are cut first."""
+
+    max_prompt_length: int = Field(default=512, gt=0, description=(
+        "Prompts longer than this are cut from the left first, before the completion is cut (TRL's key). Default "
+        "512, or half of a shorter max_seq_length."))
+
+    @model_validator(mode="after")
+    def _unpacked(self):
+        if getattr(self, "packing", False):
+            raise ValueError(f"packing: method {self.method} trains whole pairs (or examples) side by side, never "
+                             "packed; remove packing")
+        if written(self, "max_prompt_length") and self.max_prompt_length >= self.max_seq_length:
+            raise ValueError(f"max_prompt_length: {self.max_prompt_length} leaves no room for the completion within "
+                             f"max_seq_length {self.max_seq_length}; make it smaller")
+        return self
+
+
+class _Preference(_Unpacked):
+    beta: float = Field(default=0.1, ge=0, description=(
+        "Strength of the preference against the reference model (DPO, KTO) or of the odds-ratio term (ORPO); "
+        "TRL's default 0.1."))
+
+    @model_validator(mode="after")
+    def _positive_beta(self):
+        if self.beta <= 0:
+            raise ValueError(f"beta: must be greater than 0 for method: {self.method}")
+        return self
+
+
+class _Reference(BaseModel):
+    precompute_ref_log_probs: bool = Field(default=False, description=(
+        "Compute the reference model's log-probs of the training set once, before the first step, instead of in "
+        "every step (TRL's key)."))
+
+
+class DPOKeys(_Reference, _Preference):
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = Field(default="sigmoid", description=(
+        "DPO's loss: sigmoid (DPO), ipo, hinge, robust, or simpo (SimPO: reference-free, length-normalised)."))
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5, description=(
+        "The probability that a preference label is wrong (loss_type robust or simpo)."))
+    simpo_gamma: float = Field(default=0.5, description="loss_type simpo: the target reward margin (TRL's CPO key).")
+
+    @model_validator(mode="after")
+    def _loss_type_keys(self):
+        if written(self, "label_smoothing") and self.loss_type not in ("robust", "simpo"):
+            raise ValueError(f"label_smoothing: only loss_type robust or simpo reads it, not loss_type: {self.loss_type}")
+        if written(self, "simpo_gamma") and self.loss_type != "simpo":
+            raise ValueError(f"simpo_gamma: only loss_type simpo reads it, not loss_type: {self.loss_type}")
+        if written(self, "precompute_ref_log_probs") and self.loss_type == "simpo":
             raise ValueError("precompute_ref_log_probs: loss_type simpo is reference-free; there is nothing to precompute")
-    if method in LOSS_TYPES and config.loss_type not in LOSS_TYPES[method]:
-        raise ValueError(f"loss_type: {config.loss_type} is not a loss of method: {method}; use one of "
-                         f"{', '.join(LOSS_TYPES[method])}")
-    if method in ("dpo", "orpo", "kto") and config.beta <= 0:
-        raise ValueError(f"beta: must be greater than 0 for method: {method}")
-    if method == "grpo":
-        _check_grpo(config)
-    best_model_metric(config)
-    if method != "sft" and config.packing:
-        raise ValueError(f"packing: method {method} trains whole pairs (or examples) side by side, never packed; "
-                         "remove packing")
-    if method != "sft" and "max_prompt_length" in written and config.max_prompt_length >= config.max_seq_length:
-        raise ValueError(f"max_prompt_length: {config.max_prompt_length} leaves no room for the completion within "
-                         f"max_seq_length {config.max_seq_length}; make it smaller")
+        return self
+
+
+class ORPOKeys(_Preference):
+    pass
+
+
+class KTOKeys(_Reference, _Preference):
+    desirable_weight: float = Field(default=1.0, gt=0, description="Weight of the desirable examples' loss (KTO).")
+    undesirable_weight: float = Field(default=1.0, gt=0, description="Weight of the undesirable examples' loss (KTO).")
+
+
+class RewardKeys(_Unpacked):
+    center_rewards_coefficient: float | None = Field(default=None, ge=0, description=(
+        "Adds this x (r_chosen + r_rejected)^2 to each pair's loss, so rewards centre on 0 (TRL's RewardTrainer key); "
+        "default none."))
 
 
 def prompt_limit(config) -> int:
@@ -111,38 +132,84 @@ def parse_reward_entry(entry: str, index: int) -> tuple[str | None, str]:
     return module, function
 
 
-def _check_grpo(config) -> None:
-    if not config.reward_funcs:
-        raise ValueError("reward_funcs: method grpo needs at least one reward function (\"package.module:function\", "
-                         "or a built-in: exact_match, format)")
-    for index, entry in enumerate(config.reward_funcs):
-        parse_reward_entry(entry, index)
-        if entry in config.reward_funcs[:index]:
-            raise ValueError(f"reward_funcs[{index}]: {entry!r} is listed twice; list each reward function once "
-                             "(reward_weights weighs it)")
-    fields = type(config).model_fields
-    if "format" in config.reward_funcs:
-        try:
-            re.compile(config.reward_format_pattern)
-        except re.error as exc:
-            raise ValueError(f"reward_format_pattern: {config.reward_format_pattern!r} is not a valid regular "
-                             f"expression: {exc}") from None
-    elif config.reward_format_pattern != fields["reward_format_pattern"].default:
-        raise ValueError("reward_format_pattern: only the built-in format reward reads it; add format to reward_funcs "
-                         "or remove it")
-    if prompt_limit(config) + config.max_completion_length > config.max_seq_length:
-        raise ValueError(f"max_completion_length: {config.max_completion_length} after a prompt of up to "
-                         f"max_prompt_length {prompt_limit(config)} does not fit in max_seq_length "
-                         f"{config.max_seq_length}; raise max_seq_length or lower one of them")
-    if config.reward_weights is not None and len(config.reward_weights) != len(config.reward_funcs):
-        raise ValueError(f"reward_weights: {len(config.reward_weights)} weight(s) for {len(config.reward_funcs)} "
-                         "reward function(s); give one per function")
-    if config.per_device_train_batch_size % config.num_generations:
-        raise ValueError(f"per_device_train_batch_size: counts completions for method grpo, and "
-                         f"{config.per_device_train_batch_size} does not hold whole groups of num_generations "
-                         f"{config.num_generations}; use a multiple of {config.num_generations}")
-    eval_batch = getattr(config, "per_device_eval_batch_size", None)
-    if eval_batch is not None and eval_batch % config.num_generations:
-        raise ValueError(f"per_device_eval_batch_size: counts completions for method grpo, and {eval_batch} does not "
-                         f"hold whole groups of num_generations {config.num_generations}; use a multiple of "
-                         f"{config.num_generations}")
+class GRPOKeys(_Unpacked):
+    """GRPO (README "Reinforcement learning"): per_device_train_batch_size counts completions, as in TRL."""
+
+    beta: float = Field(default=0.0, ge=0, description=(
+        "The KL coefficient against the reference model; TRL's default 0.0 loads no reference."))
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(default="dapo", description=(
+        "TRL's loss types, which differ in what the token losses are averaged over: grpo, dapo (TRL's default), "
+        "dr_grpo, bnpo."))
+    reward_funcs: list[str] | None = Field(default=None, description=(
+        "The reward functions: \"package.module:function\" (looked for next to the config file first), or a "
+        "built-in: exact_match, format."))
+    reward_weights: list[float] | None = Field(default=None, description=(
+        "One weight per reward function; default 1.0 each."))
+    reward_format_pattern: str = Field(default=r"^<think>.*?</think>\s*<answer>.*?</answer>$", description=(
+        "The regular expression the built-in format reward matches a completion against."))
+    num_generations: int = Field(default=8, ge=2, description="Completions sampled per prompt: a group.")
+    max_completion_length: int = Field(default=256, gt=0, description="Tokens a completion may have at most.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
+    epsilon: float = Field(default=0.2, ge=0, description="The clipping range's lower side.")
+    epsilon_high: float | None = Field(default=None, ge=0, description=(
+        "The clipping range's upper side (DAPO's clip-higher); default epsilon."))
+    scale_rewards: Literal["group", "batch", "none"] = Field(default="group", description=(
+        "What advantages are divided by: the reward std of the group, of the batch, or nothing."))
+    num_iterations: int = Field(default=1, gt=0, description=(
+        "Optimizer steps on each generated batch (TRL's mu); above 1 the ratio to the generating policy is clipped, "
+        "and a checkpoint mid-way holds the batch (rollout_<rank>.safetensors)."))
+    mask_truncated_completions: bool = Field(default=False, description=(
+        "Completions cut at max_completion_length add nothing to the loss."))
+    log_completions: bool = Field(default=True, description=(
+        "Write a few prompts, completions and rewards to output_dir/logs/completions.jsonl (and the trackers)."))
+    num_completions_to_print: int = Field(default=4, ge=0, description="How many, every logging_steps.")
+    use_vllm: bool = Field(default=False, description=(
+        "TRL's key; refused: rollouts are generated by the policy being trained, with a KV cache."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_group_per_device(cls, data):
+        """As TRL's 8 and 8: per_device_train_batch_size defaults to one group."""
+        if isinstance(data, dict):
+            group = data.get("num_generations", cls.model_fields["num_generations"].default)
+            if isinstance(group, int) and not isinstance(group, bool):
+                data = {"per_device_train_batch_size": group, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_grpo(self):
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs: method grpo needs at least one reward function (\"package.module:function\", "
+                             "or a built-in: exact_match, format)")
+        for index, entry in enumerate(self.reward_funcs):
+            parse_reward_entry(entry, index)
+            if entry in self.reward_funcs[:index]:
+                raise ValueError(f"reward_funcs[{index}]: {entry!r} is listed twice; list each reward function once "
+                                 "(reward_weights weighs it)")
+        if "format" in self.reward_funcs:
+            try:
+                re.compile(self.reward_format_pattern)
+            except re.error as exc:
+                raise ValueError(f"reward_format_pattern: {self.reward_format_pattern!r} is not a valid regular "
+                                 f"expression: {exc}") from None
+        elif written(self, "reward_format_pattern"):
+            raise ValueError("reward_format_pattern: only the built-in format reward reads it; add format to "
+                             "reward_funcs or remove it")
+        if prompt_limit(self) + self.max_completion_length > self.max_seq_length:
+            raise ValueError(f"max_completion_length: {self.max_completion_length} after a prompt of up to "
+                             f"max_prompt_length {prompt_limit(self)} does not fit in max_seq_length "
+                             f"{self.max_seq_length}; raise max_seq_length or lower one of them")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weight(s) for {len(self.reward_funcs)} "
+                             "reward function(s); give one per function")
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(f"per_device_train_batch_size: counts completions for method grpo, and "
+                             f"{self.per_device_train_batch_size} does not hold whole groups of num_generations "
+                             f"{self.num_generations}; use a multiple of {self.num_generations}")
+        eval_batch = getattr(self, "per_device_eval_batch_size", None)
+        if eval_batch is not None and eval_batch % self.num_generations:
+            raise ValueError(f"per_device_eval_batch_size: counts completions for method grpo, and {eval_batch} does "
+                             f"not hold whole groups of num_generations {self.num_generations}; use a multiple of "
+                             f"{self.num_generations}")
+        return self

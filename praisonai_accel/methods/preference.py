@@ -16,90 +16,23 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from .lm_loss import CausalLMLoss
 from . import preference_data as pdata
-from . import preference_loss as plosses
-from .method_keys import prompt_limit
-from .preference_logps import sequence_logps
-from .reference_model import ReferenceModel
 from .base import TrainingMethod
+from .method_keys import KTO_METRICS, LOSS_TYPES, PAIR_METRICS, DPOKeys, KTOKeys, ORPOKeys, prompt_limit
 
 FILLER = "filler"
 
 
 def needs_reference(config) -> bool:
-    return config.method == "kto" or (config.method == "dpo" and config.loss_type not in plosses.REFERENCE_FREE)
+    return config.method == "kto" or (config.method == "dpo" and config.loss_type != "simpo")
 
 
-class PreferenceLoss(ReferenceModel, CausalLMLoss):
-    """Reference pass + policy pass + preference loss, in one forward. Returns (loss summed over units, metric sums)."""
+def __getattr__(name: str):
+    if name == "PreferenceLoss":  # torch: imported when asked for, not when the config reads the keys
+        from .preference_module import PreferenceLoss
 
-    def __init__(self, causal_lm, config, chunked: bool = True):
-        super().__init__(causal_lm, chunked=chunked)
-        self.method = config.method
-        self.loss_type = config.loss_type
-        self.beta, self.label_smoothing, self.simpo_gamma = config.beta, config.label_smoothing, config.simpo_gamma
-        self.desirable_weight, self.undesirable_weight = config.desirable_weight, config.undesirable_weight
-        self.uses_reference = needs_reference(config)
-        self.init_reference(causal_lm, self.uses_reference)
-
-    def reference_logps(self, input_ids, labels, attention_mask) -> torch.Tensor:
-        with self._reference_model() as model:
-            return sequence_logps(self, model, input_ids, labels, attention_mask, self.chunked)[0].detach()
-
-    def forward(self, input_ids, labels, attention_mask=None, reference_only: bool = False, **extra):
-        if reference_only:  # precompute_ref_log_probs, through the prepared module: one log-prob per row
-            return self.reference_logps(input_ids, labels, attention_mask)
-        if self.method == "kto":
-            return self._kto(input_ids, labels, attention_mask, **extra)
-        return self._pairs(input_ids, labels, attention_mask, **extra)
-
-    def _pairs(self, input_ids, labels, attention_mask, ref_chosen_logps=None, ref_rejected_logps=None):
-        n = input_ids.size(0) // 2
-        reference = None
-        if self.uses_reference:
-            if ref_chosen_logps is None:  # before the policy pass: its activations are not alive yet
-                reference = self.reference_logps(input_ids, labels, attention_mask)
-            else:
-                reference = torch.cat([ref_chosen_logps, ref_rejected_logps]).to(input_ids.device)
-        logps, counts = sequence_logps(self, self.causal_lm, input_ids, labels, attention_mask, self.chunked)
-        chosen, rejected = logps[:n], logps[n:]
-        chosen_count, rejected_count = counts[:n].to(logps.dtype), counts[n:].to(logps.dtype)
-        if self.method == "orpo" or self.loss_type == "simpo":
-            chosen, rejected = chosen / chosen_count.clamp(min=1), rejected / rejected_count.clamp(min=1)
-            if self.method == "orpo":
-                losses, chosen_rewards, rejected_rewards, _ = plosses.orpo_losses(self.beta, chosen, rejected)
-            else:
-                losses, chosen_rewards, rejected_rewards = plosses.simpo_losses(
-                    self.beta, self.simpo_gamma, self.label_smoothing, chosen, rejected)
-        else:
-            losses, chosen_rewards, rejected_rewards = plosses.dpo_losses(
-                self.loss_type, self.beta, self.label_smoothing, chosen, rejected, reference[:n].to(chosen.dtype),
-                reference[n:].to(chosen.dtype), chosen_count, rejected_count)
-        return losses.sum(), plosses.pair_metric_sums(chosen_rewards, rejected_rewards, chosen, rejected)
-
-    def _kto(self, input_ids, labels, attention_mask, desirable, kl_rows, ref_logps=None):
-        n = desirable.numel()
-        kl_count = int(kl_rows)
-        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        if ref_logps is None:
-            reference = self.reference_logps(input_ids, labels, mask)
-            ref_logps, ref_kl = reference[:n], reference[n:]
-        else:
-            ref_logps = ref_logps.to(input_ids.device)
-            ref_kl = self.reference_logps(input_ids[n:], labels[n:], mask[n:]) if kl_count else None
-        kl = torch.zeros((), device=input_ids.device)
-        if kl_count:
-            with torch.no_grad():
-                kl_logps = sequence_logps(self, self.causal_lm, input_ids[n:], labels[n:], mask[n:], self.chunked)[0]
-            kl = plosses.kto_kl(kl_logps, ref_kl)
-        logps = sequence_logps(self, self.causal_lm, input_ids[:n], labels[:n], mask[:n], self.chunked)[0]
-        desirable = desirable.to(logps.device).bool()
-        losses, rewards = plosses.kto_losses(self.beta, self.desirable_weight, self.undesirable_weight, logps,
-                                             ref_logps.to(logps.dtype), desirable, kl)
-        return losses.sum(), plosses.kto_metric_sums(rewards, logps, desirable, kl)
+        return PreferenceLoss
+    raise AttributeError(name)
 
 
 class PreferenceMethod(TrainingMethod):
@@ -114,10 +47,33 @@ class PreferenceMethod(TrainingMethod):
         self.unit = "pairs" if self.paired else "examples"
         # the sums forward returns (evaluation gathers these): KTO's means over desirable / undesirable examples need
         # their counts; reduce_metrics turns them into what is logged
-        self.metric_names = (plosses.PAIR_METRICS if self.paired
-                             else plosses.KTO_METRICS + ("count/desirable", "count/undesirable"))
+        self.metric_names = (PAIR_METRICS if self.paired
+                             else KTO_METRICS + ("count/desirable", "count/undesirable"))
         self._plans: dict[int, object] = {}
         self.pad_token_id = 0  # set by collator()
+
+    @classmethod
+    def cache_identity(cls, config) -> dict:
+        return {"method": config.method, "max_prompt_length": config.max_prompt_length}
+
+    @classmethod
+    def preview_parts(cls, row: dict) -> list[tuple[str, list[int], list[int]]]:
+        """A pair's prompt, then chosen and rejected after it; a KTO example's prompt, then its completion, titled
+        by its label."""
+        from ..data.chat_masking import IGNORE_INDEX
+
+        if "chosen_input_ids" in row:
+            sides = [("chosen", "chosen"), ("rejected", "rejected")]
+        else:
+            sides = [("completion", "completion (desirable)" if int(row["label"][0]) else "completion (undesirable)")]
+        first = sides[0][0]
+        ids, labels = list(row[f"{first}_input_ids"]), list(row[f"{first}_labels"])
+        start = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+        parts = [("prompt", ids[:start], labels[:start])]
+        for key, title in sides:
+            ids, labels = list(row[f"{key}_input_ids"]), list(row[f"{key}_labels"])
+            parts.append((title, ids[start:], labels[start:]))
+        return parts
 
     # ---------------------------------------------------------------- data
     def data(self, tokenizer):
@@ -172,7 +128,8 @@ class PreferenceMethod(TrainingMethod):
         return 0 if batch.get(FILLER) else self.examples_in(batch)
 
     # ---------------------------------------------------------------- loss
-    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool) -> PreferenceLoss:
+    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
+        from .preference_module import PreferenceLoss
         from .sft import settle_chunking
 
         return settle_chunking(PreferenceLoss(causal_lm, self.config, self.config.chunked_loss), accelerator, tokenizer)
@@ -203,7 +160,7 @@ class PreferenceMethod(TrainingMethod):
     def before_training(self, accelerator, module, dataset, collate, output_dir):
         """precompute_ref_log_probs: the reference log-probs of the training set, computed once (each rank its share,
         through the prepared module) and kept in output_dir/reference_logps/train.safetensors; a resume reads them."""
-        if not (self.config.precompute_ref_log_probs and needs_reference(self.config)):
+        if not (needs_reference(self.config) and self.config.precompute_ref_log_probs):  # ORPO has no such key
             return dataset
         from .reference_logps import precompute_on_ranks
 
@@ -211,7 +168,7 @@ class PreferenceMethod(TrainingMethod):
 
 
 class PreferenceData:
-    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is data/sft_rows.SFTData)."""
+    """The data half the preprocessing driver runs (data/preprocess.py; SFT's is methods/sft_rows.SFTData)."""
 
     def __init__(self, method: PreferenceMethod, tokenizer):
         self.method, self.tokenizer, self.config, self.name = method, tokenizer, method.config, method.name
@@ -256,5 +213,26 @@ def _kind(why: str) -> str:
     return "invalid preference row"
 
 
-def method_for(config) -> PreferenceMethod:
-    return PreferenceMethod(config)
+class DPO(PreferenceMethod):
+    """DPO and its loss types (TRL's DPOTrainer), SimPO as loss_type simpo (TRL's CPOTrainer)."""
+
+    name = "dpo"
+    keys = DPOKeys
+    loss_types = LOSS_TYPES["dpo"]
+    metrics = PAIR_METRICS
+
+
+class ORPO(PreferenceMethod):
+    """ORPO (TRL's ORPOTrainer): reference-free, an odds-ratio term added to SFT's loss on chosen."""
+
+    name = "orpo"
+    keys = ORPOKeys
+    metrics = PAIR_METRICS
+
+
+class KTO(PreferenceMethod):
+    """KTO (TRL's KTOTrainer): unpaired examples, each desirable or not."""
+
+    name = "kto"
+    keys = KTOKeys
+    metrics = KTO_METRICS

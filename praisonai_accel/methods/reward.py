@@ -10,8 +10,10 @@ Per pair: `-logsigmoid(r_chosen - r_rejected - margin) + center_rewards_coeffici
 its mean over pairs is TRL's RewardTrainer.compute_loss. Metrics as TRL logs them: `accuracy` (r_chosen > r_rejected),
 `margin`, `mean_reward`, and the means of the chosen and rejected rewards.
 
-This module also holds what loading and using a trained reward model needs (`reward_model_problem`, `load_scorer`,
-`score_texts`): the `score` command and GRPO's `model:PATH` rewards read it.
+This module declares the method (its keys, metrics, checks; no torch at import: the config reads it before launch)
+and says whether a directory is a reward model (`reward_model_problem`); reward_module.py holds the loss module and
+what loading and using a trained reward model needs (`load_scorer`, `score_texts`, `ModelReward`), which the `score`
+command and GRPO's `model:PATH` rewards read.
 """
 
 from __future__ import annotations
@@ -21,85 +23,32 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch import nn
-
 from . import preference_data as pdata
+from .method_keys import REWARD_METRICS as METRICS
+from .method_keys import RewardKeys
 from .preference import FILLER, PreferenceData, PreferenceMethod
 
-from .method_keys import REWARD_METRICS as METRICS
+_TORCH_PARTS = ("RewardLoss", "reward_losses", "reward_metric_sums", "sequence_rewards", "load_scorer", "score_ids", "score_texts", "encode_for_reward", "ModelReward")
 
 
-def reward_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
-                  center_rewards_coefficient: float | None = None) -> torch.Tensor:
-    """Each pair's loss; their mean is RewardTrainer.compute_loss on the same rewards."""
-    difference = chosen - rejected
-    if margin is not None:
-        difference = difference - margin.to(difference)
-    losses = -nn.functional.logsigmoid(difference)
-    if center_rewards_coefficient is not None:
-        losses = losses + center_rewards_coefficient * (chosen + rejected) ** 2
-    return losses
+def __getattr__(name: str):
+    if name in _TORCH_PARTS:  # torch: imported when asked for, not when the config reads the keys
+        from . import reward_module
 
-
-def reward_metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
-    chosen, rejected = chosen.detach(), rejected.detach()
-    return {"accuracy": (chosen > rejected).float().sum(), "margin": (chosen - rejected).sum(),
-            "mean_reward": ((chosen + rejected) / 2).sum(), "rewards/chosen": chosen.sum(),
-            "rewards/rejected": rejected.sum()}
-
-
-def sequence_rewards(model, input_ids, attention_mask) -> torch.Tensor:
-    """One reward per row: the model's own forward (its head at the last non-pad token)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return logits.squeeze(-1).float()
-
-
-class RewardLoss(nn.Module):
-    """Chosen and rejected rows in one forward of the sequence classifier; (loss summed over pairs, metric sums).
-    The classifier is kept as `causal_lm`, the name checkpoints and the final save read."""
-
-    base_model_prefix = "decoder"
-
-    def __init__(self, classifier: nn.Module, center_rewards_coefficient: float | None):
-        super().__init__()
-        self.causal_lm = classifier
-        self.center_rewards_coefficient = center_rewards_coefficient
-
-    def _base(self):
-        from .lm_loss import transformers_model
-
-        return transformers_model(self.causal_lm)
-
-    @property
-    def decoder(self) -> nn.Module:
-        base = self._base()
-        return getattr(base, base.base_model_prefix)
-
-    @property
-    def _no_split_modules(self):
-        return getattr(self._base(), "_no_split_modules", None)
-
-    def get_input_embeddings(self):
-        return self._base().get_input_embeddings()
-
-    def get_output_embeddings(self):
-        return None  # a score head, no LM head
-
-    def forward(self, input_ids, attention_mask=None, margin=None, labels=None, **_):
-        rewards = sequence_rewards(self.causal_lm, input_ids, attention_mask)
-        chosen, rejected = rewards.chunk(2)
-        losses = reward_losses(chosen, rejected, margin, self.center_rewards_coefficient)
-        return losses.sum(), reward_metric_sums(chosen, rejected)
+        return getattr(reward_module, name)
+    raise AttributeError(name)
 
 
 def margin_bits(value: float) -> list[int]:
     """The preprocessing cache stores int32 columns: a float32 margin is kept as its bits, exactly."""
+    import numpy as np
+
     return [int(np.asarray(value, dtype=np.float32).view(np.int32))]
 
 
 def margin_value(bits) -> float:
+    import numpy as np
+
     return float(np.asarray(bits, dtype=np.int32)[:1].view(np.float32)[0])
 
 
@@ -110,7 +59,32 @@ class RewardData(PreferenceData):
 
 
 class RewardMethod(PreferenceMethod):
-    """The training method the recipe drives for `method: reward` (methods/base.py)."""
+    """Reward models (TRL's RewardTrainer): a one-label sequence classifier trained on preference pairs."""
+
+    name = "reward"
+    keys = RewardKeys
+    metrics = METRICS
+    headline_metrics = ("accuracy", "margin")
+    # model.py loads a one-label sequence classifier (LoRA task SEQ_CLS, the head trained in full) instead of a causal
+    # LM; inference, the model card and unsloth's refusal read the same attribute
+    model_head = "sequence-classification"
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """A classifier whose head has several labels cannot become a reward model (it has one)."""
+        from ..errors import ConfigError
+
+        problem = base_head_problem(config.model_name)
+        if problem:
+            raise ConfigError(problem)
+
+    @classmethod
+    def report_rows(cls, records: list[dict]) -> list[tuple[str, str]]:
+        """The last held-out accuracy: how often the model ranks an unseen chosen completion above its rejected."""
+        evaluated = [r for r in records if r.get("eval_accuracy") is not None]
+        if not evaluated:
+            return []
+        return [("eval accuracy (last)", f"{evaluated[-1]['eval_accuracy']:.4f} at step {evaluated[-1]['step']}")]
 
     def __init__(self, config):
         super().__init__(config)
@@ -136,6 +110,8 @@ class RewardMethod(PreferenceMethod):
         batch = pdata.collate_pairs(examples, pad_token_id)
         margins = [margin_value(e["margin"]) if "margin" in e else 0.0 for e in examples]
         if any(margins):
+            import torch
+
             batch["margin"] = torch.tensor(margins, dtype=torch.float32)
         if any(FILLER in e for e in examples):
             batch[FILLER] = True
@@ -145,14 +121,16 @@ class RewardMethod(PreferenceMethod):
         self.pad_token_id = pad_token_id
         return functools.partial(self.collate, pad_token_id=pad_token_id)
 
-    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool) -> RewardLoss:
+    def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
+        from .reward_module import RewardLoss
+
         return RewardLoss(causal_lm, self.config.center_rewards_coefficient)
 
     def before_training(self, accelerator, module, dataset, collate, output_dir):
         return dataset
 
 
-# ---------------------------------------------------------------- trained reward models: checks, loading, scoring
+# ---------------------------------------------------------------- trained reward models: checks
 
 def _read_json(path: Path) -> dict | None:
     try:
@@ -201,120 +179,3 @@ def base_head_problem(model_name: str) -> str | None:
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return head_problem(config, f"model_name: {model_name}")
     return None
-
-
-def load_scorer(path, device="cpu", dtype=None):
-    """(sequence classifier in eval mode, tokenizer) from a trained reward model: a full model, or a SEQ_CLS adapter
-    whose modules_to_save carry the head (loaded on its base)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # the base's load report (no score head, an unused lm_head) is expected
-    hf_logging.disable_progress_bar()
-    try:
-        return _load_scorer(Path(path).expanduser(), device, dtype)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _load_scorer(path: Path, device, dtype):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    kwargs = {"num_labels": 1} | ({"dtype": dtype} if dtype is not None else {})
-    if (path / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        base = _read_json(path / "adapter_config.json")["base_model_name_or_path"]
-        model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, **kwargs), str(path))
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device).eval(), tokenizer
-
-
-def encode_for_reward(tokenizer, prompt, completion, chat: bool | None = None) -> list[int]:
-    """The ids a reward model trained here reads for prompt + completion: the training encoding (preference_data).
-    Text is wrapped as a user and an assistant message when `chat` (default: the tokenizer has a chat template)."""
-    from ..data.chat_masking import plan_masking
-
-    if chat is None:
-        chat = bool(getattr(tokenizer, "chat_template", None))
-    if chat and isinstance(completion, str):  # messages are always encoded through the template
-        completion = [{"role": "assistant", "content": completion}]
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    row = {"prompt": prompt, "chosen": completion, "rejected": completion}
-    prompt_part, completions, conversational = pdata.prompt_and_completions(row, "paired")
-    plan = None
-    if conversational:  # the template's masking plan, worked out once per tokenizer
-        held = _PLANS.get(id(tokenizer))
-        if held is None or held[0] is not tokenizer:
-            held = _PLANS[id(tokenizer)] = (tokenizer, plan_masking(tokenizer))
-        plan = held[1]
-    return pdata.encode_completion(tokenizer, plan, prompt_part, completions[0], conversational)[0]
-
-
-_PLANS: dict[int, tuple] = {}
-
-
-@torch.no_grad()
-def score_ids(model, rows: list[list[int]], pad_token_id: int, batch_size: int = 8) -> list[float]:
-    """Rewards of token rows, batched (right padding, as in training)."""
-    device = next(model.parameters()).device
-    out: list[float] = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        width = max(len(r) for r in chunk)
-        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(chunk):
-            ids[i, :len(r)], mask[i, :len(r)] = torch.as_tensor(r), 1
-        out += sequence_rewards(model, ids.to(device), mask.to(device)).tolist()
-    return out
-
-
-def score_texts(model, tokenizer, pairs: list[tuple], batch_size: int = 8, chat: bool | None = None) -> list[float]:
-    """Rewards of (prompt, completion) pairs, each text or a list of messages."""
-    rows = [encode_for_reward(tokenizer, p, c, chat) for p, c in pairs]
-    return score_ids(model, rows, tokenizer.pad_token_id, batch_size)
-
-
-class ModelReward:
-    """A trained reward model as a GRPO reward function (reward_funcs: "model:PATH"): loaded once, at its first call,
-    on this rank's device, and called on each batch of completions under no_grad. Text prompts are scored as
-    method: reward trains on text (prompt, completion, eos), conversational ones through the chat template."""
-
-    def __init__(self, path: Path, batch_size: int = 16):
-        self.path, self.batch_size = Path(path), batch_size
-        self.__name__ = self.path.name
-        self._model = self._tokenizer = None
-
-    @classmethod
-    def checked(cls, path: str, base_dir: Path | None, where: str) -> "ModelReward":
-        """ConfigError (one line) for a path that is not a reward model; a relative path is the config file's."""
-        from ..errors import ConfigError
-
-        resolved = Path(path).expanduser()
-        if not resolved.is_absolute() and base_dir is not None:
-            resolved = Path(base_dir) / resolved
-        problem = reward_model_problem(resolved)
-        if problem:
-            raise ConfigError(f"{where}: model:{path}: {problem}")
-        return cls(resolved)
-
-    def load(self, device=None):
-        if self._model is None:
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
-            self._model, self._tokenizer = load_scorer(self.path, device, dtype)
-            self._model.requires_grad_(False)
-        return self._model, self._tokenizer
-
-    def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        model, tokenizer = self.load()
-        return score_texts(model, tokenizer, list(zip(prompts, completions)), self.batch_size, chat=False)

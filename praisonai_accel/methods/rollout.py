@@ -15,9 +15,8 @@ import torch
 
 from . import grpo_loss
 from .generation import positions_of, sample_completions
+from .grpo import FILLER, LENGTH
 
-FILLER = "filler"
-LENGTH = "completions/length_sum"  # completion tokens, for completions/mean_length
 
 
 def _generation_forward(accelerator, module):
@@ -48,7 +47,7 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple, tra
     """`key`: what, with a prompt's row number, seeds its group's generator ((seed, step), or evaluation's)."""
     from .rewards import score
 
-    config, tokenizer = method.config, method.tokenizer
+    config, tokenizer = method.config, method.run.tokenizer
     g = config.num_generations
     device = accelerator.device
     prompt_ids = batch["input_ids"].to(device).repeat_interleave(g, 0)

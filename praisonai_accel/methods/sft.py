@@ -8,25 +8,39 @@ from .base import TrainingMethod, log
 
 
 class SFT(TrainingMethod):
+    """Supervised fine-tuning (TRL's SFTTrainer): the language-model loss on the trained tokens of each row."""
+
     name = "sft"
     unit = "target tokens"
     headline_metrics = ()  # the loss says it all
     supports_sequence_parallel = True
+    takes_images = True
 
-    processor = None  # a vision-language model's processor: its rows carry images (data/vision_rows.py)
+    @classmethod
+    def cache_identity(cls, config) -> dict:
+        return {}  # SFT's entries keep the keys they had before other methods existed
+
+    processor = None  # a vision-language model's processor: its rows carry images (vision_rows.py)
 
     def data(self, tokenizer):
-        from ..data import data_method
+        """Rows -> input_ids and labels (sft_rows.py); rows with images for a vision-language model's tokenizer (it
+        carries the processor: vision_rows.py)."""
         from ..data.vision_processor import processor_of
 
         self.processor = processor_of(tokenizer)
-        return data_method(tokenizer, self.config)
+        if self.processor is not None:
+            from .vision_rows import VisionSFTData
+
+            return VisionSFTData(tokenizer, self.config)
+        from .sft_rows import SFTData
+
+        return SFTData(tokenizer, self.config)
 
     def collator(self, pad_token_id: int):
         from ..data import PadCollator
 
         if self.processor is not None:
-            from ..data.vision_rows import VisionCollator
+            from .vision_rows import VisionCollator
 
             return VisionCollator(pad_token_id, self.processor)
         return PadCollator(pad_token_id)

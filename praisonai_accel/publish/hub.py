@@ -163,7 +163,7 @@ def model_card(config: TrainConfig, summary: dict) -> str:
     from ..data.vision_processor import is_vision_checkpoint
 
     vision = is_vision_checkpoint(config)
-    reward = getattr(config, "method", "sft") == "reward"  # methods/reward.py: a sequence classifier
+    reward = getattr(config, "model_head", "causal-lm") == "sequence-classification"  # a reward model (methods/reward.py)
     pipeline = "image-text-to-text" if vision else "text-classification" if reward else "text-generation"
     front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + [
         "library_name: peft" if config.uses_lora else "library_name: transformers",
@@ -203,7 +203,8 @@ def model_card(config: TrainConfig, summary: dict) -> str:
         if config.uses_lora else
         f"```python\nfrom transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"{title}\")\n```"
     )
-    what = (" A reward model (method: reward): one score per prompt + completion, higher for the preferred one."
+    what = (f" A reward model (method: {config.method}): one score per prompt + completion, higher for the "
+            "preferred one."
             if reward else "")
     body = [f"# {title}", "", f"Fine-tuned from `{base}` with praisonai-accel {__version__}.{what}", "",
             "## Training", ""] + table + ["", "## Use", "", usage, ""]

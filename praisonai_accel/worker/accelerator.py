@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import io
 import logging
 import os
@@ -112,6 +113,42 @@ def start_trackers(accelerator, config: TrainConfig, verbose: bool) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
     with quiet_stdout(verbose):  # trackers announce themselves with print()
         accelerator.init_trackers(config.run_name or output_dir.resolve().name, config=tracker_config(config))
+
+
+def run_context(accelerator, tokenizer, config: TrainConfig):
+    """What the training method is handed by TrainingMethod.set_up: nothing it must find for itself."""
+    from ..methods.context import RunContext
+
+    return RunContext(accelerator, tokenizer, config.output_path(), functools.partial(log_table, accelerator,
+                                                                                       config.trackers))
+
+
+def log_table(accelerator, trackers: list[str], name: str, columns: list[str], rows: list[list], step: int) -> None:
+    """A table to the trackers that show one (a method logs through RunContext.log_table): TensorBoard gets it as
+    markdown text, wandb as a Table; mlflow and trackio log numbers only."""
+    if "tensorboard" in trackers:
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+        accelerator.get_tracker("tensorboard", unwrap=True).add_text(name, "\n".join(lines), global_step=step)
+    if "wandb" in trackers:
+        import wandb
+
+        data = [[step, *(value if isinstance(value, (int, float)) else str(value) for value in row)] for row in rows]
+        accelerator.get_tracker("wandb", unwrap=True).log({name: wandb.Table(columns=["step", *columns], data=data)},
+                                                          step=step)
+
+
+def track_loader(accelerator, add=None, remove=None) -> None:
+    """Accelerate checkpoints (save_state / load_state) the sampler state of the loaders in its private
+    `_dataloaders` list, and adds a loader there only through `prepare`, which shards it by process; it offers no
+    public way to register a loader sharded otherwise (a sequence-parallel group reads the same rows) or to drop one
+    a method replaced (the preference methods' loader with precomputed reference log-probs). This is the one place
+    that touches the list: the run's checkpoints then hold its one training loader, as without either."""
+    if remove is not None:
+        accelerator._dataloaders.remove(remove)
+    if add is not None:
+        accelerator._dataloaders.append(add)
 
 
 def tracker_config(config: TrainConfig) -> dict:

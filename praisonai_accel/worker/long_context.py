@@ -50,6 +50,9 @@ def prepare(accelerator, loss_module, optimizer, loader, sp):
     if sp is None:
         return accelerator.prepare(loss_module, optimizer, loader)
     from ..sequence_parallel import prepare_loader
+    from .accelerator import track_loader
 
     module, optimizer = accelerator.prepare(loss_module, optimizer)
-    return module, optimizer, prepare_loader(accelerator, loader, sp.layout)
+    prepared = prepare_loader(accelerator, loader, sp.layout)
+    track_loader(accelerator, add=prepared)
+    return module, optimizer, prepared

@@ -27,7 +27,6 @@ PUBLISH_FAILED_EXIT_CODE = 4  # trained and saved, but a push or an Ollama creat
 FAILED_EXIT_CODE = 1
 BAD_INPUT_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130
-REWARD_FAILED_EXIT_CODE = 3  # method grpo: a user's reward function raised or returned something unusable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,8 +65,7 @@ def return_freed_memory_promptly() -> None:
         pass
 
 
-def _exit_codes():
-    from ..methods.rewards import RewardError
+def _exit_codes(config):
     from .preflight import PreflightError
     from .failures import DiskFull, Interrupted, Preempted
 
@@ -77,7 +75,8 @@ def _exit_codes():
     return [
         (PreflightError, BAD_INPUT_EXIT_CODE, "local rank 0", False),  # its all-reduce may still be pending
         ((ConfigError, DataError, HandoffFailed), BAD_INPUT_EXIT_CODE, "local rank 0", True),
-        (RewardError, REWARD_FAILED_EXIT_CODE, "first", True),
+        # the training method's own errors (methods/base.TrainingMethod.errors): the rank whose rows hit one says it
+        *((kind, code, "first", True) for kind, code in type(config).training_method.errors),
         (DiskFull, FAILED_EXIT_CODE, "rank 0", True),
         (KeyboardInterrupt, INTERRUPTED_EXIT_CODE, "rank 0", False),  # Ctrl-C before training (setup)
         (Interrupted, INTERRUPTED_EXIT_CODE, "rank 0", True),  # Ctrl-C in training: the last step is saved
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> int:
-    for kinds, code, speaker, close in _exit_codes():
+    for kinds, code, speaker, close in _exit_codes(config):
         if isinstance(exc, kinds):
             if code == BAD_INPUT_EXIT_CODE:
                 logging.getLogger("praisonai_accel").debug("%s", exc)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, generation_rule, reward_model_rule, sequence_parallel_rule, vision_rule
+from ..checks import final_model_dir_rule, method_rule, sequence_parallel_rule, vision_rule
 from ..config import ConfigError, TrainConfig
 from ..data.vision_processor import declares_images
 from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
@@ -33,7 +33,7 @@ from ..model import (
 from ..publish.hub import model_card
 from . import checkpoint as ckpt
 from . import outputs, resume
-from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, start_trackers
+from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, run_context, start_trackers, track_loader
 from .evaluation import evaluate, record_evaluation
 from .failures import DiskFull, is_disk_full
 from .flops import flop_counts
@@ -67,9 +67,7 @@ class Recipe:
         self.packing = False
         self.sp = None  # sequence_parallel.SequenceParallel when sequence_parallel_size > 1
         self.data_parallel = 1  # processes reading different rows (a sequence-parallel group reads the same)
-        self.resume_from: Path | None = None
-        self.resume_skip = 0  # micro-batches each rank skips in the resumed epoch
-        self._resume_warning: str | None = None  # the process layout changed since the checkpoint
+        self.resume_point = resume.ResumePoint(None)
         self.model_commit: str | None = None
         self.tokenizer = None
         self.collate = None
@@ -102,8 +100,7 @@ class Recipe:
         quiet_libraries(self.verbose)
         final_model_dir_rule(config)  # accelerate launch / torchrun: not checked before launch
         sequence_parallel_rule(config, accelerator.num_processes)  # the model's heads: once it is loaded
-        generation_rule(config)
-        reward_model_rule(config)  # method: reward (methods/reward.py)
+        method_rule(config)
         self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
@@ -114,7 +111,7 @@ class Recipe:
         if accelerator.num_processes > 1:
             check_shared_output_dir(accelerator, self.output_dir)
             cache_shared = shares_cache(accelerator, config)
-        self.resume_from, self.resume_skip, self._resume_warning = resume.find_resume_point(accelerator, config)
+        self.resume_point = resume.find_resume_point(accelerator, config)
         set_seed(config.seed)
         log.info("backend: %s%s | processes: %d (%s) | device: %s | mixed precision: %s", self.backend.name,
                  f" ({self.backend.reason})" if self.backend.reason else "", accelerator.num_processes,
@@ -135,6 +132,7 @@ class Recipe:
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
         loader_batch = self.method.loader_batch_size(config.per_device_train_batch_size)
         loader = train_loader(config, train_data, self.collate, self.packing, loader_batch)
+        self.method.set_up(run_context(accelerator, self.tokenizer, config))
         loss_module = self.method.loss_module(model, accelerator=accelerator, tokenizer=self.tokenizer, use_cuda=use_cuda)
         self.flop_counts = flop_counts(model)
         if self.reentrant and accelerator.num_processes > 1:
@@ -144,15 +142,17 @@ class Recipe:
         self.model, self.optimizer, self.loader = prepare(accelerator, loss_module, optimizer, loader, self.sp)
         prepared = self.method.before_training(accelerator, self.model, train_data, self.collate, self.output_dir)
         if prepared is not train_data:  # the method attached what it computed once (reference log-probs)
-            accelerator._dataloaders.remove(self.loader)  # one loader, as in a run without it: checkpoints agree
+            track_loader(accelerator, remove=self.loader)  # one loader, as in a run without it: checkpoints agree
             self.loader = accelerator.prepare(train_loader(config, prepared, self.collate, self.packing, loader_batch))
         self.parameter_bytes = parameter_bytes(self.model)
         self.steps_per_epoch, self.total_steps = plan_steps(config, len(self.loader), self.method.steps_per_batch)
         self.scheduler = build_scheduler(config, self.optimizer, self.total_steps)
         ckpt.install_trainable_only_hooks(accelerator)
         self.state = resume.fresh_state(config, self.data_parallel, self.model_commit)
-        if self.resume_from is not None:
-            self.state, self._rng_to_reapply = resume.load_checkpoint(self, self.resume_from)
+        if self.resume_point.path is not None:
+            prepared = (self.model, self.optimizer, self.scheduler)
+            self.state, self._rng_to_reapply = resume.load_checkpoint(self.resume_point, accelerator, config, prepared,
+                                                                      self.method, self.state)
         self.stop.install()
         start_trackers(accelerator, config, self.verbose)
         world, accum, per_device = self.data_parallel, config.gradient_accumulation_steps, config.per_device_train_batch_size
@@ -332,7 +332,7 @@ class Recipe:
         if self.accelerator.is_main_process:
             outputs.write_progress(self.output_dir, status, self.state.global_step, self.total_steps,
                                    self.accelerator.num_processes, self.config.final_model_path(),
-                                   headline=self.headline, **ended)
+                                   self.config.method, self.config._config_dir, headline=self.headline, **ended)
 
     def _finish(self, started: float, stopped_early: bool) -> dict:
         from accelerate.utils import gather_object
@@ -377,7 +377,7 @@ class Recipe:
         if accelerator.is_main_process:
             outputs.write_summary(summary, self.output_dir, config.plot_loss)
             self._write_progress("finished", exit_code=0)
-            for line in outputs.end_summary(summary, self.metrics, config.uses_lora, self.resume_from):
+            for line in outputs.end_summary(summary, self.metrics, config.uses_lora, self.resume_point.path):
                 log.info(line)
             if not summary["weights_in_sync"]:
                 log.warning("ranks finished with different weights: %s", digests)

@@ -4,6 +4,7 @@ fresh run starts from, and a checkpoint loaded into the prepared model, optimize
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import resume_rule
@@ -15,16 +16,22 @@ from .checkpoint_manifest import decided_on_main_process, set_aside_skipped
 log = logging.getLogger("praisonai_accel")
 
 
-def find_resume_point(accelerator, config) -> tuple[Path | None, int, str | None]:
-    """(the checkpoint to resume from or None, the micro-batches each rank skips in its epoch, a warning when the
-    process layout changed since it); interrupted saves are cleaned up first."""
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path | None  # the checkpoint to resume from; None: a fresh run
+    skip: int = 0  # micro-batches each rank skips in the resumed epoch
+    warning: str | None = None  # the process layout changed since the checkpoint
+
+
+def find_resume_point(accelerator, config) -> ResumePoint:
+    """Where the run resumes (decided on the main process); interrupted saves are cleaned up first."""
     resume_from, resume_skip, warning = decided_on_main_process(
         accelerator, lambda: resume_rule(config, accelerator.num_processes))
     if accelerator.is_main_process:
         set_aside_skipped()
         outputs.clean_up_interrupted_saves(config, resuming=resume_from is not None)
     accelerator.wait_for_everyone()
-    return resume_from, resume_skip, warning
+    return ResumePoint(resume_from, resume_skip, warning)
 
 
 def fresh_state(config, data_parallel: int, model_commit: str | None) -> ckpt.CheckpointState:
@@ -37,32 +44,31 @@ def fresh_state(config, data_parallel: int, model_commit: str | None) -> ckpt.Ch
     )
 
 
-def load_checkpoint(recipe, path: Path) -> tuple[ckpt.CheckpointState, Path | None]:
-    """Load `path` into the recipe's prepared model, optimizer, scheduler and method. Returns (the run's state, the
-    checkpoint whose RNG state the first epoch re-applies once its iterator has started, or None)."""
-    accelerator, config = recipe.accelerator, recipe.config
+def load_checkpoint(point: ResumePoint, accelerator, config, prepared: tuple, method, fresh: ckpt.CheckpointState
+                    ) -> tuple[ckpt.CheckpointState, Path | None]:
+    """Load the checkpoint at `point` into the `prepared` (model, optimizer, scheduler) and the training method.
+    `fresh`: the state this run would start from (its layout, fingerprints and model commit). Returns (the run's
+    state, the checkpoint whose RNG state the first epoch re-applies once its iterator has started, or None)."""
+    path, model_commit = point.path, fresh.model_commit
     saved = ckpt.CheckpointState.read(path)
-    if saved.model_commit and recipe.model_commit and saved.model_commit != recipe.model_commit:
-        raise ConfigError(f"revision: {config.model_name} now resolves to commit {recipe.model_commit}, but "
+    if saved.model_commit and model_commit and saved.model_commit != model_commit:
+        raise ConfigError(f"revision: {config.model_name} now resolves to commit {model_commit}, but "
                           f"{path.name} was trained on {saved.model_commit}; set revision: {saved.model_commit} to resume")
     if not ckpt.rng_file_exists(path, accelerator.process_index):
         log.warning("%s has no RNG state for rank %d (it was saved by %d process(es)); that rank starts from its seed",
                     path, accelerator.process_index, saved.world_size)
-    if recipe._resume_warning:
-        log.warning(recipe._resume_warning)
-    ckpt.load_state(accelerator, path, recipe.model, recipe.optimizer, recipe.scheduler)
-    recipe.method.load_state(path, accelerator, saved.global_step)
-    accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(recipe.output_dir))
+    if point.warning:
+        log.warning(point.warning)
+    ckpt.load_state(accelerator, path, *prepared)
+    method.load_state(path, accelerator, saved.global_step)
+    accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(config.output_path()))
     state = saved
-    state.batches_in_epoch = recipe.resume_skip
-    state.world_size = recipe.data_parallel
-    state.per_device_train_batch_size = config.per_device_train_batch_size
-    state.gradient_accumulation_steps = config.gradient_accumulation_steps
-    state.config_fingerprint = config.fingerprint()
-    state.run_fingerprint, state.run_identity = config.run_fingerprint(), config.run_identity()
-    state.model_commit = recipe.model_commit
+    state.batches_in_epoch = point.skip
+    for key in ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "config_fingerprint",
+                "run_fingerprint", "run_identity", "model_commit"):
+        setattr(state, key, getattr(fresh, key))  # this run's layout and identity from here on
     # mid-way through a group trained for several steps, the uninterrupted run drew its iterator before it too
-    rng_to_reapply = path if recipe.resume_skip or saved.global_step % recipe.method.steps_per_batch else None
+    rng_to_reapply = path if point.skip or saved.global_step % method.steps_per_batch else None
     log.info("resumed from %s at step %d (epoch %d, %d batch(es) in)", path, saved.global_step, saved.epoch,
-             recipe.resume_skip)
+             point.skip)
     return state, rng_to_reapply

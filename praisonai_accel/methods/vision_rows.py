@@ -16,17 +16,17 @@ from pathlib import Path
 
 from ..config import DatasetSpec, TrainConfig
 from ..errors import first_line
-from .cache import cache_dir
-from .chat_masking import IGNORE_INDEX, encode_conversation
-from .encoding import count_targets
-from .formats import TOO_LONG, DataError, RowProblem, check_row, to_conversation
-from .images import (
+from ..data.cache import cache_dir
+from ..data.chat_masking import IGNORE_INDEX, encode_conversation
+from ..data.encoding import count_targets
+from ..data.formats import TOO_LONG, DataError, RowProblem, check_row, to_conversation
+from ..data.images import (
     IMAGE_COLUMNS, IMAGES_COLUMN, base_folder, check_images, encode_references, image_path, image_references,
     image_size, image_values, open_images, with_image_parts,
 )
 from .sft_rows import SFTData
-from .templates import template_label
-from .vision_processor import processor_of
+from ..data.templates import template_label
+from ..data.vision_processor import processor_of
 
 
 class VisionSFTData(SFTData):
@@ -135,7 +135,7 @@ class VisionCollator:
     them (Gemma 3: 1 on each image token)."""
 
     def __init__(self, pad_token_id: int, processor):
-        from .batching import PadCollator
+        from ..data.batching import PadCollator
 
         self.pad, self.processor = PadCollator(pad_token_id), processor
         self.names = set(getattr(processor, "model_input_names", ())) - {"input_ids", "attention_mask"}

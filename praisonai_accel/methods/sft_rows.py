@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from ..config import DatasetSpec, TrainConfig
 from ..errors import first_line
-from .chat_masking import MaskingPlan, plan_masking
-from .encoding import count_targets, encode_chat, encode_text
-from .formats import TOO_LONG, RowProblem, check_row, detect_format, to_conversation
-from .images import image_values
-from .masking_check import MaskingReport, check_masking
-from .templates import dropped_by_template, template_label
+from ..data.chat_masking import MaskingPlan, plan_masking
+from ..data.encoding import count_targets, encode_chat, encode_text
+from ..data.formats import TOO_LONG, RowProblem, check_row, detect_format, to_conversation
+from ..data.images import image_values
+from ..data.masking_check import MaskingReport, check_masking
+from ..data.templates import dropped_by_template, template_label
 
 
 class SFTData:

@@ -1,0 +1,192 @@
+"""The torch half of reward models (methods/reward.py declares the method): the loss module the recipe prepares, and
+loading and scoring a trained reward model for `score` and GRPO's `model:PATH` rewards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import preference_data as pdata
+from .reward import _read_json, reward_model_problem
+
+
+def reward_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                  center_rewards_coefficient: float | None = None) -> torch.Tensor:
+    """Each pair's loss; their mean is RewardTrainer.compute_loss on the same rewards."""
+    difference = chosen - rejected
+    if margin is not None:
+        difference = difference - margin.to(difference)
+    losses = -nn.functional.logsigmoid(difference)
+    if center_rewards_coefficient is not None:
+        losses = losses + center_rewards_coefficient * (chosen + rejected) ** 2
+    return losses
+
+
+def reward_metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    chosen, rejected = chosen.detach(), rejected.detach()
+    return {"accuracy": (chosen > rejected).float().sum(), "margin": (chosen - rejected).sum(),
+            "mean_reward": ((chosen + rejected) / 2).sum(), "rewards/chosen": chosen.sum(),
+            "rewards/rejected": rejected.sum()}
+
+
+def sequence_rewards(model, input_ids, attention_mask) -> torch.Tensor:
+    """One reward per row: the model's own forward (its head at the last non-pad token)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return logits.squeeze(-1).float()
+
+
+class RewardLoss(nn.Module):
+    """Chosen and rejected rows in one forward of the sequence classifier; (loss summed over pairs, metric sums).
+    The classifier is kept as `causal_lm`, the name checkpoints and the final save read."""
+
+    base_model_prefix = "decoder"
+
+    def __init__(self, classifier: nn.Module, center_rewards_coefficient: float | None):
+        super().__init__()
+        self.causal_lm = classifier
+        self.center_rewards_coefficient = center_rewards_coefficient
+
+    def _base(self):
+        from .lm_loss import transformers_model
+
+        return transformers_model(self.causal_lm)
+
+    @property
+    def decoder(self) -> nn.Module:
+        base = self._base()
+        return getattr(base, base.base_model_prefix)
+
+    @property
+    def _no_split_modules(self):
+        return getattr(self._base(), "_no_split_modules", None)
+
+    def get_input_embeddings(self):
+        return self._base().get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return None  # a score head, no LM head
+
+    def forward(self, input_ids, attention_mask=None, margin=None, labels=None, **_):
+        rewards = sequence_rewards(self.causal_lm, input_ids, attention_mask)
+        chosen, rejected = rewards.chunk(2)
+        losses = reward_losses(chosen, rejected, margin, self.center_rewards_coefficient)
+        return losses.sum(), reward_metric_sums(chosen, rejected)
+
+
+def load_scorer(path, device="cpu", dtype=None):
+    """(sequence classifier in eval mode, tokenizer) from a trained reward model: a full model, or a SEQ_CLS adapter
+    whose modules_to_save carry the head (loaded on its base)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the base's load report (no score head, an unused lm_head) is expected
+    hf_logging.disable_progress_bar()
+    try:
+        return _load_scorer(Path(path).expanduser(), device, dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _load_scorer(path: Path, device, dtype):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    kwargs = {"num_labels": 1} | ({"dtype": dtype} if dtype is not None else {})
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = _read_json(path / "adapter_config.json")["base_model_name_or_path"]
+        model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, **kwargs), str(path))
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device).eval(), tokenizer
+
+
+def encode_for_reward(tokenizer, prompt, completion, chat: bool | None = None) -> list[int]:
+    """The ids a reward model trained here reads for prompt + completion: the training encoding (preference_data).
+    Text is wrapped as a user and an assistant message when `chat` (default: the tokenizer has a chat template)."""
+    from ..data.chat_masking import plan_masking
+
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat and isinstance(completion, str):  # messages are always encoded through the template
+        completion = [{"role": "assistant", "content": completion}]
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    row = {"prompt": prompt, "chosen": completion, "rejected": completion}
+    prompt_part, completions, conversational = pdata.prompt_and_completions(row, "paired")
+    plan = None
+    if conversational:  # the template's masking plan, worked out once per tokenizer
+        held = _PLANS.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:
+            held = _PLANS[id(tokenizer)] = (tokenizer, plan_masking(tokenizer))
+        plan = held[1]
+    return pdata.encode_completion(tokenizer, plan, prompt_part, completions[0], conversational)[0]
+
+
+_PLANS: dict[int, tuple] = {}
+
+
+@torch.no_grad()
+def score_ids(model, rows: list[list[int]], pad_token_id: int, batch_size: int = 8) -> list[float]:
+    """Rewards of token rows, batched (right padding, as in training)."""
+    device = next(model.parameters()).device
+    out: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        width = max(len(r) for r in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(chunk):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.as_tensor(r), 1
+        out += sequence_rewards(model, ids.to(device), mask.to(device)).tolist()
+    return out
+
+
+def score_texts(model, tokenizer, pairs: list[tuple], batch_size: int = 8, chat: bool | None = None) -> list[float]:
+    """Rewards of (prompt, completion) pairs, each text or a list of messages."""
+    rows = [encode_for_reward(tokenizer, p, c, chat) for p, c in pairs]
+    return score_ids(model, rows, tokenizer.pad_token_id, batch_size)
+
+
+class ModelReward:
+    """A trained reward model as a GRPO reward function (reward_funcs: "model:PATH"): loaded once, at its first call,
+    on this rank's device, and called on each batch of completions under no_grad. Text prompts are scored as
+    method: reward trains on text (prompt, completion, eos), conversational ones through the chat template."""
+
+    def __init__(self, path: Path, batch_size: int = 16):
+        self.path, self.batch_size = Path(path), batch_size
+        self.__name__ = self.path.name
+        self._model = self._tokenizer = None
+
+    @classmethod
+    def checked(cls, path: str, base_dir: Path | None, where: str) -> "ModelReward":
+        """ConfigError (one line) for a path that is not a reward model; a relative path is the config file's."""
+        from ..errors import ConfigError
+
+        resolved = Path(path).expanduser()
+        if not resolved.is_absolute() and base_dir is not None:
+            resolved = Path(base_dir) / resolved
+        problem = reward_model_problem(resolved)
+        if problem:
+            raise ConfigError(f"{where}: model:{path}: {problem}")
+        return cls(resolved)
+
+    def load(self, device=None):
+        if self._model is None:
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+            self._model, self._tokenizer = load_scorer(self.path, device, dtype)
+            self._model.requires_grad_(False)
+        return self._model, self._tokenizer
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        model, tokenizer = self.load()
+        return score_texts(model, tokenizer, list(zip(prompts, completions)), self.batch_size, chat=False)

@@ -296,7 +296,8 @@ def test_a_reward_failure_on_several_ranks_names_the_rank_whose_batch_held_the_r
 
     monkeypatch.setattr(FILE_ONLY, "handlers", [logging.NullHandler()])
     monkeypatch.setattr(main, "_close_process_group", lambda wait_for_others: None)  # no process group here
-    config = SimpleNamespace(output_path=lambda: tmp_path)
+    config = parse_config({"model_name": "m", "method": "grpo", "reward_funcs": ["exact_match"],
+                           "dataset": [{"name": str(tmp_path / "d.jsonl")}], "output_dir": str(tmp_path)})
     (tmp_path / "logs").mkdir()
     error = rw.RewardError("reward function r failed on data.jsonl line 7: KeyError: 'x'")
     assert main._failed(error, DistEnv(rank=1, local_rank=1, world_size=2), config, None) == 3

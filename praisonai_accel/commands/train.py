@@ -133,16 +133,9 @@ def train_command(
 
 
 def keys_the_method_does_not_read(cfg) -> set[str]:
-    """The method keys (methods/method_keys.py's tables) that the run's method and loss_type do not read: the one
-    place --dry-run asks."""
-    from ..methods.method_keys import KEYS_BY_METHOD, METHOD_KEYS
-
-    unread = set(METHOD_KEYS) - KEYS_BY_METHOD[cfg.method]
-    if cfg.loss_type not in ("robust", "simpo"):
-        unread.add("label_smoothing")
-    if cfg.loss_type != "simpo":
-        unread.add("simpo_gamma")
-    return unread
+    """The run's method keys that its settings leave unread (the method class says): the one place --dry-run asks.
+    Other methods' keys are not in the run's config at all (methods/registry composes only the chosen method's)."""
+    return type(cfg).training_method.unread_keys(cfg)
 
 
 # Keys that only mean something when another key says so: (the keys, whether this run reads them).

@@ -63,6 +63,12 @@ class TrainingMethod:
         ConfigError with one line. The keys' own rules are validators on `keys`."""
 
     @classmethod
+    def unread_keys(cls, config) -> set[str]:
+        """Keys of this method that these settings leave unread (a loss_type's own keys under another): --dry-run
+        leaves them out while they are at their default."""
+        return set()
+
+    @classmethod
     def check_launch(cls, config) -> None:
         """Checks only the launching machine makes (launcher/prelaunch.py), such as importing the user's code the
         workers will import: ConfigError with one line."""

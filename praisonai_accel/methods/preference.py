@@ -221,6 +221,11 @@ class DPO(PreferenceMethod):
     loss_types = LOSS_TYPES["dpo"]
     metrics = PAIR_METRICS
 
+    @classmethod
+    def unread_keys(cls, config) -> set[str]:
+        unread = set() if config.loss_type in ("robust", "simpo") else {"label_smoothing"}
+        return unread if config.loss_type == "simpo" else unread | {"simpo_gamma"}
+
 
 class ORPO(PreferenceMethod):
     """ORPO (TRL's ORPOTrainer): reference-free, an odds-ratio term added to SFT's loss on chosen."""

@@ -85,7 +85,6 @@ def _exit_codes(config):
 
 
 def _message(exc: BaseException, config, env: DistEnv | None = None) -> str:
-    from ..methods.rewards import RewardError
     from .checkpoint import latest_complete
     from .failures import Preempted
 
@@ -96,7 +95,8 @@ def _message(exc: BaseException, config, env: DistEnv | None = None) -> str:
         return f"praisonai-accel: interrupted before training began; re-run the same command to resume from {latest}"
     if isinstance(exc, Preempted):
         return f"praisonai-accel: {exc}; re-run the same command to resume"
-    if isinstance(exc, RewardError) and env is not None and env.world_size > 1:  # the row was in this rank's batch
+    method_errors = tuple(kind for kind, _code in type(config).training_method.errors)
+    if isinstance(exc, method_errors) and env is not None and env.world_size > 1:  # the rows were this rank's
         return f"error: rank {env.rank}: {exc}"
     return f"error: {exc}"
 

@@ -38,7 +38,7 @@ def make_pairs(tokenizer_dir: Path, count: int, length: int, seed: int = 3) -> l
     """Pairs whose rows fit in `length` whole: a prompt of 30-50% of the row, completions of the rest."""
     from transformers import AutoTokenizer
 
-    from praisonai_accel.demo import _NAMES
+    from praisonai_accel.demo.text import _NAMES
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     rng = random.Random(seed)

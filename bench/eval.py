@@ -32,7 +32,7 @@ def build(work: Path, hidden: int, layers: int, mc_docs: int, gen_docs: int) -> 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from praisonai_accel.demo import make_tiny_model
+    from praisonai_accel.demo.text import make_tiny_model
 
     model_dir = make_tiny_model(work / "model", hidden_size=hidden, layers=layers)
     torch.manual_seed(1)

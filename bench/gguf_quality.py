@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from praisonai_accel.config import TrainConfig  # noqa: E402
-from praisonai_accel.demo import demo_config, demo_prompt, exact_match, task_records, write_jsonl  # noqa: E402
+from praisonai_accel.demo.text import demo_config, demo_prompt, exact_match, task_records, write_jsonl  # noqa: E402
 
 PHI3 = REPO.parent / "shared" / "fixtures" / "phi-3-mini"
 
@@ -95,7 +95,7 @@ def score_torch(model_dir: Path, rows, tokenizer, records) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from praisonai_accel.demo import held_out_answers
+    from praisonai_accel.demo.text import held_out_answers
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     nll, count = 0.0, 0

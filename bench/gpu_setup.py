@@ -30,7 +30,7 @@ def build_model(directory: Path, layers: int) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from praisonai_accel.demo import make_tiny_model
+    from praisonai_accel.demo.text import make_tiny_model
 
     hf_logging.disable_progress_bar()
 
@@ -54,7 +54,7 @@ def build_model(directory: Path, layers: int) -> int:
 def write_data(path: Path, count: int, seq: int, seed: int = 0) -> Path:
     """Rows that fit `seq` tokens whole (this tokenizer spends about 2.7 tokens a word, so at most 0.31 x seq words,
     template included): neither tool truncates, and TRL drops none, so both train the same tokens."""
-    from praisonai_accel.demo import _NAMES, write_jsonl
+    from praisonai_accel.demo.text import _NAMES, write_jsonl
 
     rng = random.Random(seed)
     words = lambda k: " ".join(rng.choice(_NAMES) for _ in range(k))  # noqa: E731

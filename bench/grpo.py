@@ -38,7 +38,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def names_reward(completions, **kwargs) -> list[float]:
     """The reward both sides use: how many of the demo's names a completion says, over its words."""
-    from praisonai_accel.demo import _NAMES
+    from praisonai_accel.demo.text import _NAMES
 
     out = []
     for completion in completions:
@@ -50,7 +50,7 @@ def names_reward(completions, **kwargs) -> list[float]:
 def make_prompts(tokenizer_dir: Path, count: int, length: int, seed: int = 4) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from praisonai_accel.demo import _NAMES
+    from praisonai_accel.demo.text import _NAMES
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     rng = random.Random(seed)

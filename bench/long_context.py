@@ -50,8 +50,8 @@ def worker(rank: int, world: int, options: dict, length: int, tiled: bool, store
     import torch.distributed as dist
 
     from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel
-    from praisonai_accel.tiled_mlp import apply_tiled_mlp
+    from praisonai_accel.models.sequence_parallel import SequenceParallel
+    from praisonai_accel.models.tiled_mlp import apply_tiled_mlp
 
     torch.set_num_threads(options["threads"])
     cuda = options["device"] == "cuda"

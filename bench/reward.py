@@ -175,7 +175,7 @@ def accuracy(args) -> None:
 
     from praisonai_accel.commands.demo_reward import (HELD_OUT_PAIRS, SEED, TRAIN_PAIRS, held_out_accuracy,
                                                       reward_demo_config)
-    from praisonai_accel.demo import make_tiny_model, preference_records, task_records, write_jsonl
+    from praisonai_accel.demo.text import make_tiny_model, preference_records, task_records, write_jsonl
 
     work = Path(args.work).resolve()
     base = work / "tiny-llama"

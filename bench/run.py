@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from praisonai_accel.atomic import write_yaml_atomic  # noqa: E402
 from praisonai_accel.launcher.accelerate_config import build_accelerate_config  # noqa: E402
-from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
+from praisonai_accel.demo.text import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
 from praisonai_accel.launcher.plan import free_port  # noqa: E402
 
 TARGETS = {"step_time_ratio": 0.9, "padding_fraction": 0.05, "help_seconds": 0.5, "cached_preprocess_ratio": 0.10,
@@ -310,7 +310,7 @@ def fitting_records(tokenizer_dir: Path, count: int, length: int, seed: int = 2)
 
     from transformers import AutoTokenizer
 
-    from praisonai_accel.demo import _NAMES
+    from praisonai_accel.demo.text import _NAMES
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     size = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -432,8 +432,8 @@ def manifest_cost(work: Path, args) -> dict:
     checkpoints of the toy model and of the realistic one (128k vocabulary, 143M parameters). save_seconds is the
     whole save as the run logs it, hash included; hash_seconds hashes the same files again right after, as the save
     does (page cache warm); verify_seconds is what a resume adds."""
-    from praisonai_accel.worker.checkpoint import MARKER
-    from praisonai_accel.worker.checkpoint_manifest import damage, fast_algorithm, write_manifest
+    from praisonai_accel.run_dir.checkpoints import MARKER
+    from praisonai_accel.run_dir.manifest import damage, fast_algorithm, write_manifest
 
     models = {"toy": make_tiny_model(work / "model-manifest", hidden_size=256, layers=4),
               "realistic": work / "model-128k"}

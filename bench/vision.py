@@ -54,7 +54,7 @@ def run_measured(command: list[str], marker: str, env: dict) -> tuple[float, flo
 
 
 def run_ours(work: Path, model: Path, data: Path, args) -> dict:
-    from praisonai_accel.demo_vision import vision_demo_config
+    from praisonai_accel.demo.vision import vision_demo_config
 
     out = work / "ours"
     config = vision_demo_config(model, data, out, max_steps=args.steps, logging_steps=1, overwrite_output_dir=True,
@@ -96,7 +96,7 @@ def trl_child(args) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from praisonai_accel.vision_model import part_of
+    from praisonai_accel.models.vision import part_of
 
     data = Path(args.data)
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
@@ -136,8 +136,8 @@ def trl_child(args) -> None:
 
 
 def exact_match_of(model_dir: str, held_out: list[dict], image_root: Path) -> tuple[float, list[str]]:
-    from praisonai_accel.demo_vision import exact_match, held_out_answers
-    from praisonai_accel.inference import load_for_inference
+    from praisonai_accel.demo.vision import exact_match, held_out_answers
+    from praisonai_accel.models.inference import load_for_inference
 
     model, processor = load_for_inference(Path(model_dir), device="cpu")
     answers = held_out_answers(model, processor, held_out, image_root)
@@ -165,8 +165,8 @@ def main() -> None:
     if args.child:
         return trl_child(args)
 
-    from praisonai_accel.demo import write_jsonl
-    from praisonai_accel.demo_vision import make_tiny_vlm, shape_splits, trl_rows
+    from praisonai_accel.demo.text import write_jsonl
+    from praisonai_accel.demo.vision import make_tiny_vlm, shape_splits, trl_rows
 
     work = Path(args.work).resolve()
     model = work / f"tiny-{args.kind}"

@@ -11,15 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import DEEPSPEED_REFUSED, MULTI_DEVICE_MAPS, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
-
-
-def device_map_rule(device_map, num_processes: int) -> None:
-    """One model spread over several GPUs cannot also be replicated by DDP."""
-    if num_processes > 1 and isinstance(device_map, str) and device_map in MULTI_DEVICE_MAPS:
-        raise ConfigError(
-            f"device_map: '{device_map}' spreads one model over several GPUs and cannot be used with "
-            f"{num_processes} DDP processes; remove device_map to load the full model on each rank's GPU")
+from .config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
+from .runtime.distributed import device_map_rule  # noqa: F401  (a rule of this list, applied where the worker loads)
 
 
 def reentrant_rule(config: TrainConfig, num_processes: int, reentrant: bool | None = None) -> None:
@@ -39,7 +32,7 @@ def deepspeed_rule(distributed_type: str, where: str) -> None:
 
 def final_model_dir_rule(config: TrainConfig) -> None:
     """The final save may replace only an earlier final model of ours."""
-    from .output_dirs import check_replaceable
+    from .run_dir.output_dirs import check_replaceable
 
     check_replaceable(config.final_model_path(), "final_model_dir")
 
@@ -47,9 +40,9 @@ def final_model_dir_rule(config: TrainConfig) -> None:
 def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, int, str | None]:
     """Where the run starts: (checkpoint or None, micro-batches each rank skips in the resumed epoch, a warning
     when the process layout changed). Refuses another run's checkpoints and a layout that cannot continue."""
-    from .worker import checkpoint as ckpt
+    from .run_dir import checkpoints as ckpt_dir
 
-    start = ckpt.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint, config.run_fingerprint(),
+    start = ckpt_dir.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint, config.run_fingerprint(),
                                       config.overwrite_output_dir, config.run_identity(), config.force_resume)
     if start is None:
         return None, 0, None
@@ -57,14 +50,14 @@ def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, i
 
     # The ranks of a sequence-parallel group share their rows: the data-parallel size is what reads the data.
     per_device = config.per_device_train_batch_size
-    saved, method = ckpt.CheckpointState.read(start), method_for(config)
+    saved, method = ckpt_dir.CheckpointState.read(start), method_for(config)
     world = num_processes // config.sequence_parallel_size
     if saved.global_step % method.steps_per_batch and (saved.world_size, saved.per_device_train_batch_size) != \
             (world, per_device):  # each process holds the rollout of its own prompts
         raise ConfigError(f"resume_from_checkpoint: {start.name} was taken mid-way through a generated batch's "
                           f"num_iterations: {method.steps_per_batch} steps by {saved.world_size} process(es) x batch "
                           f"{saved.per_device_train_batch_size}; resume it with that layout")
-    skip, warning = ckpt.resume_skip(saved, world, per_device, method.loader_batch_size(per_device))
+    skip, warning = ckpt_dir.resume_skip(saved, world, per_device, method.loader_batch_size(per_device))
     return start, skip, warning
 
 
@@ -75,7 +68,7 @@ def sequence_parallel_rule(config: TrainConfig, num_processes: int, model_config
     n = config.sequence_parallel_size
     if n <= 1:
         return
-    from .sequence_parallel import check_sequence_parallel, check_world
+    from .models.sequence_parallel import check_sequence_parallel, check_world
 
     if not type(config).training_method.supports_sequence_parallel:
         raise ConfigError(f"sequence_parallel_size: method: {config.method} does not split its rows over ranks; "

@@ -18,7 +18,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("HF_HOME", str(Path(__file__).resolve().parent.parent / ".pytest_hf_home"))
 
-from praisonai_accel.demo import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
+from praisonai_accel.demo.text import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PHI3 = REPO.parent / "shared" / "fixtures" / "phi-3-mini"
@@ -148,7 +148,7 @@ def make_architecture(directory: Path, kind: str) -> Path:
     import torch
     import transformers as tf
 
-    from praisonai_accel.demo import _train_tokenizer
+    from praisonai_accel.demo.text import _train_tokenizer
 
     texts = []
     for r in demo_records(512, 0):

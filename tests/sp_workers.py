@@ -140,7 +140,7 @@ def equality(cases: list[list[str]]) -> dict:
     gradients of 1 process on whole rows against the group's sums; returns the largest differences of the mean loss
     and of its gradients."""
     from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel, shard_targets
+    from praisonai_accel.models.sequence_parallel import SequenceParallel, shard_targets
 
     sp, _layout = SequenceParallel.setup(2)
     results = {}
@@ -154,7 +154,7 @@ def equality(cases: list[list[str]]) -> dict:
         model.zero_grad(set_to_none=True)
 
         if loss_kind == "chunked+checkpointing+tiled":  # layers recomputed in backward: all-to-alls again
-            from praisonai_accel.tiled_mlp import apply_tiled_mlp
+            from praisonai_accel.models.tiled_mlp import apply_tiled_mlp
 
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             apply_tiled_mlp(model, 3)
@@ -191,8 +191,8 @@ def lora_steps(kind: str = "qwen3", attention: str = "sdpa", steps: int = 3) -> 
 
     from praisonai_accel.data import batch_targets
     from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel, shard_targets
-    from praisonai_accel.tiled_mlp import apply_tiled_mlp
+    from praisonai_accel.models.sequence_parallel import SequenceParallel, shard_targets
+    from praisonai_accel.models.tiled_mlp import apply_tiled_mlp
 
     def lora_model():
         torch.manual_seed(0)
@@ -267,8 +267,8 @@ def fsdp2(kind: str = "qwen3", attention: str = "sdpa") -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from praisonai_accel.methods.lm_loss import CausalLMLoss, ShardedCausalLMLoss
-    from praisonai_accel.sequence_parallel import SequenceParallel, shard_targets
-    from praisonai_accel.tiled_mlp import apply_tiled_mlp
+    from praisonai_accel.models.sequence_parallel import SequenceParallel, shard_targets
+    from praisonai_accel.models.tiled_mlp import apply_tiled_mlp
 
     batch = packed_batch(seed=5)
     model = make_model(kind, attention)

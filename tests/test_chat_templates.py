@@ -261,7 +261,7 @@ def test_generation_stops_at_the_templates_end_of_turn_when_eos_is_another_token
     generation must stop on the end-of-turn token too, and on the model's own generation_config eos ids."""
     import types
 
-    from praisonai_accel.inference import stop_token_ids
+    from praisonai_accel.models.inference import stop_token_ids
 
     tokenizer = tokenizer_for(family)
     tokenizer.eos_token = eos
@@ -274,7 +274,7 @@ def test_generation_stops_at_the_templates_end_of_turn_when_eos_is_another_token
 def test_the_real_phi3_tokenizer_stops_at_end(phi3_tokenizer):
     import types
 
-    from praisonai_accel.inference import stop_token_ids
+    from praisonai_accel.models.inference import stop_token_ids
 
     stops = stop_token_ids(types.SimpleNamespace(generation_config=None), phi3_tokenizer)
     assert phi3_tokenizer.convert_tokens_to_ids("<|end|>") in stops and phi3_tokenizer.eos_token_id in stops

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from praisonai_accel.worker import checkpoint as ckpt
+from praisonai_accel.run_dir import checkpoints as ckpt_dir
 
 from conftest import cli, cpu_env, crash_env, load_adapter, read_metrics, read_summary, write_config
 from test_training import _workers_of, workers_left
@@ -129,7 +129,7 @@ def test_ctrl_c_on_a_terminal_then_sigterm_then_sigkill_then_resume_is_exact(tmp
     progress = json.loads((out / "progress.json").read_text())
     stopped = progress["global_step"]
     assert stopped >= first and progress["status"] == "interrupted" and progress["signal"] == "SIGINT"
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{stopped}"]
+    assert [p.name for p in ckpt_dir.complete_checkpoints(out)] == [f"checkpoint-{stopped}"]
     lines = screen_of(shown)
     assert sum(line.startswith("training ") for line in lines) == 1, lines  # redrawn in place, not a line a refresh
     assert shown.count("\r\x1b[2Ktraining ") >= stopped  # the bar moved
@@ -150,7 +150,7 @@ def test_ctrl_c_on_a_terminal_then_sigterm_then_sigkill_then_resume_is_exact(tmp
         stderr[-3000:]
     progress = json.loads((out / "progress.json").read_text())
     assert progress["status"] == "preempted" and progress["global_step"] >= stopped + later
-    assert ckpt.latest_complete(out).name == f"checkpoint-{progress['global_step']}" and "stopped by SIGTERM" in stderr
+    assert ckpt_dir.latest_complete(out).name == f"checkpoint-{progress['global_step']}" and "stopped by SIGTERM" in stderr
     assert not _workers_of(config)
 
     config = write_config(tmp_path, tiny_model, alpaca_file, save_steps=1, **EXACT)
@@ -178,7 +178,7 @@ def test_crash_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_pa
         assert crashed.returncode != 0
         step = crash_at.split(":")[0]
         assert (out / f"checkpoint-{step}.tmp").is_dir() and not (out / f"checkpoint-{step}").exists()
-        assert [p.name for p in ckpt.complete_checkpoints(out)] == [previous]
+        assert [p.name for p in ckpt_dir.complete_checkpoints(out)] == [previous]
         if crash_at.endswith("state"):
             assert not (out / "checkpoint-10.tmp" / "model.safetensors").exists()  # it died before the weights
         else:
@@ -198,7 +198,7 @@ def test_slurms_sigusr1_on_a_single_process_exits_143_with_a_checkpoint(tmp_path
     proc.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-2000:]
-    assert len(ckpt.complete_checkpoints(tmp_path / "out")) == 1 and "stopped by SIGTERM" in stderr
+    assert len(ckpt_dir.complete_checkpoints(tmp_path / "out")) == 1 and "stopped by SIGTERM" in stderr
     assert json.loads((tmp_path / "out" / "progress.json").read_text())["status"] == "preempted"  # what SLURM requeues on
 
 
@@ -224,7 +224,7 @@ def test_epoch_boundary_resume(tmp_path, tiny_model, alpaca_file):
     assert cli("train", str(ref)).returncode == 0
     first = write_config(tmp_path, tiny_model, alpaca_file, num_train_epochs=1, **common)
     assert cli("train", str(first)).returncode == 0
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "out")] == ["checkpoint-8"]  # 64 / 8 per epoch
+    assert [p.name for p in ckpt_dir.complete_checkpoints(tmp_path / "out")] == ["checkpoint-8"]  # 64 / 8 per epoch
     second = write_config(tmp_path, tiny_model, alpaca_file, num_train_epochs=2, **common)
     result = cli("train", str(second))
     assert result.returncode == 0 and "resumed from" in result.stderr and "epoch 1, 0 batch(es) in" in result.stderr
@@ -252,7 +252,7 @@ def test_rotation_keeps_the_best_and_early_stopping_ends_every_rank(tmp_path, ti
     assert summary["best_checkpoint"] == f"checkpoint-{best_eval['step']}"
     last = "checkpoint-8"
     kept = [summary["best_checkpoint"]] + ([last] if summary["best_checkpoint"] != last else [])
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == kept
+    assert [p.name for p in ckpt_dir.complete_checkpoints(out)] == kept
     best = load_adapter(out / summary["best_checkpoint"] / "adapter")
     newest = load_adapter(out / last / "adapter")
     final = load_adapter(out / "lora_model")
@@ -286,7 +286,7 @@ def test_resume_choices_and_refusals(tmp_path, tiny_model, alpaca_file):
     assert result.returncode == 2 and "no such checkpoint directory" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == before  # refusals change nothing on disk
 
-    (out / "checkpoint-4" / ckpt.MARKER).unlink()
+    (out / "checkpoint-4" / ckpt_dir.MARKER).unlink()
     partial = write_config(tmp_path, tiny_model, alpaca_file, resume_from_checkpoint=str(out / "checkpoint-4"))
     result = cli("train", str(partial))
     assert result.returncode == 2 and "is incomplete" in result.stderr
@@ -298,20 +298,20 @@ def test_resume_choices_and_refusals(tmp_path, tiny_model, alpaca_file):
 
     over = write_config(tmp_path, tiny_model, alpaca_file, max_steps=2, save_steps=2, lora_r=4, overwrite_output_dir=True)
     assert cli("train", str(over)).returncode == 0
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in ckpt_dir.complete_checkpoints(out)] == ["checkpoint-2"]
 
 
 def test_rotate_never_deletes_the_best(tmp_path):
     for step in (2, 4, 6, 8):
         path = tmp_path / f"checkpoint-{step}"
         path.mkdir()
-        (path / ckpt.MARKER).write_text("")
-        (path / ckpt.STATE_FILE).write_text("{}")
+        (path / ckpt_dir.MARKER).write_text("")
+        (path / ckpt_dir.STATE_FILE).write_text("{}")
     (tmp_path / "checkpoint-10").mkdir()  # incomplete: never counted, never picked
-    deleted = ckpt.rotate(tmp_path, limit=2, keep="checkpoint-2")
+    deleted = ckpt_dir.rotate(tmp_path, limit=2, keep="checkpoint-2")
     assert [p.name for p in deleted] == ["checkpoint-4", "checkpoint-6"]
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]
-    assert ckpt.latest_complete(tmp_path).name == "checkpoint-8"
-    deleted = ckpt.rotate(tmp_path, limit=1, keep="checkpoint-2")  # the best and the newest both stay
-    assert deleted == [] and [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]
-    assert [p.name for p in ckpt.rotate(tmp_path, limit=1, keep="checkpoint-8")] == ["checkpoint-2"]
+    assert [p.name for p in ckpt_dir.complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]
+    assert ckpt_dir.latest_complete(tmp_path).name == "checkpoint-8"
+    deleted = ckpt_dir.rotate(tmp_path, limit=1, keep="checkpoint-2")  # the best and the newest both stay
+    assert deleted == [] and [p.name for p in ckpt_dir.complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]
+    assert [p.name for p in ckpt_dir.rotate(tmp_path, limit=1, keep="checkpoint-8")] == ["checkpoint-2"]

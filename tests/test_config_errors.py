@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from praisonai_accel.cli import app
 from praisonai_accel.config import ConfigError, parse_config
-from praisonai_accel.config_errors import PEER_DATASET_KEYS, PEER_KEYS
+from praisonai_accel.config.mistakes import PEER_DATASET_KEYS, PEER_KEYS
 from praisonai_accel.launcher.plan import LaunchError, resolve_processes
 
 BASE = {"model_name": "./model", "dataset": [{"name": "./data.jsonl"}]}

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from praisonai_accel.cli import app
 from praisonai_accel.config import KEY_ALIASES, TrainConfig, parse_config
-from praisonai_accel.config_keys import DatasetSpec
-from praisonai_accel.config_schema import REFERENCE_COMMAND, config_schema, reference_markdown
+from praisonai_accel.config.keys import DatasetSpec
+from praisonai_accel.commands._schema import REFERENCE_COMMAND, config_schema, reference_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -97,7 +97,7 @@ def test_every_key_of_the_config_groups_and_the_vision_keys_is_described():
     """The groups of config_keys.py, DatasetSpec and VisionKeys (the method's keys are described by their methods)."""
     owned = [name for name in TrainConfig.model_fields
              if next(c for c in reversed(TrainConfig.__mro__) if name in getattr(c, "model_fields", {})).__module__
-             in ("praisonai_accel.config_keys", "praisonai_accel.config_vision")]
+             in ("praisonai_accel.config.keys", "praisonai_accel.config.vision")]
     assert len(owned) > 90
     for model, names in ((TrainConfig, owned), (DatasetSpec, list(DatasetSpec.model_fields))):
         missing = [n for n in names if len((model.model_fields[n].description or "").strip()) < 10]

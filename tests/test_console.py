@@ -18,9 +18,10 @@ import pytest
 
 from praisonai_accel import logs
 from praisonai_accel.launcher.local import LauncherOutput
-from praisonai_accel.report import read_run, write_loss_plot
+from praisonai_accel.run_dir.report import read_run, write_loss_plot
 from praisonai_accel.worker import outputs
-from praisonai_accel.worker.metrics import MetricsLogger, StepResult, Window, headline_names
+from praisonai_accel.worker.metrics import MetricsLogger, StepResult, Window
+from praisonai_accel.run_dir.metrics import headline_names
 
 from conftest import screen_of
 
@@ -214,7 +215,7 @@ def test_the_end_summary_is_a_few_lines(tmp_path):
 
 def test_a_full_fine_tune_is_saved_as_model_and_lora_as_lora_model(tmp_path):
     from praisonai_accel.config import TrainConfig
-    from praisonai_accel.inference import resolve_model_dir
+    from praisonai_accel.models.inference import resolve_model_dir
 
     common = dict(model_name="m", dataset=[{"name": "d.jsonl"}], output_dir=str(tmp_path))
     assert TrainConfig(**common, finetune_type="full").final_model_path() == tmp_path / "model"
@@ -231,7 +232,7 @@ def test_a_full_fine_tune_is_saved_as_model_and_lora_as_lora_model(tmp_path):
 
 def test_ctrl_c_before_training_says_whether_there_is_anything_to_resume(tmp_path):
     from praisonai_accel.config import TrainConfig
-    from praisonai_accel.worker import checkpoint as ckpt
+    from praisonai_accel.run_dir import checkpoints as ckpt_dir
     from praisonai_accel.worker.failures import Interrupted
     from praisonai_accel.worker.main import _message
 
@@ -240,8 +241,8 @@ def test_ctrl_c_before_training_says_whether_there_is_anything_to_resume(tmp_pat
                                                      "resume, a re-run starts from step 0")
     earlier = tmp_path / "checkpoint-7"
     earlier.mkdir()
-    (earlier / ckpt.MARKER).write_text("")
-    (earlier / ckpt.STATE_FILE).write_text("{}")
+    (earlier / ckpt_dir.MARKER).write_text("")
+    (earlier / ckpt_dir.STATE_FILE).write_text("{}")
     assert _message(KeyboardInterrupt(), config).endswith(f"re-run the same command to resume from {earlier}")
     assert _message(Interrupted(earlier), config) == (f"praisonai-accel: interrupted; checkpoint of the last finished "
                                                       f"step saved at {earlier}; re-run the same command to resume")

@@ -13,7 +13,7 @@ from praisonai_accel.data import (
     IGNORE_INDEX, INPUTS_INDEX, Conversation, DataError, PadCollator, cache_key, cached_for_inputs, encode_chat,
     encode_text, ensure_chat_template, load_datasets, load_or_build, plan_masking, to_conversation,
 )
-from praisonai_accel.demo import write_jsonl
+from praisonai_accel.demo.text import write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def long_records(count: int, seed: int = 2) -> list[dict]:
     """Alpaca rows with long inputs, most of each the prompt: 256 to 2,400 tokens with the demo tokenizer."""
     import random
 
-    from praisonai_accel.demo import _NAMES
+    from praisonai_accel.demo.text import _NAMES
 
     rng = random.Random(seed)
     words = lambda n: " ".join(rng.choice(_NAMES) for _ in range(n))

@@ -16,7 +16,7 @@ from praisonai_accel.methods import method_for
 from praisonai_accel.data import (
     SKIPPED_FILE, DataError, TokenizedDataset, cache_key, ensure_chat_template, load_datasets, load_or_build,
 )
-from praisonai_accel.demo import demo_config
+from praisonai_accel.demo.text import demo_config
 
 from conftest import PHI3, cli
 

@@ -9,10 +9,10 @@ import types
 import pytest
 
 from praisonai_accel.config import ConfigError, parse_config
-from praisonai_accel.distributed import (
+from praisonai_accel.runtime.distributed import (
     DistEnv, mark_unsloth_ddp, resolve_device_map, resolve_mixed_precision,
 )
-from praisonai_accel import model as model_module
+from praisonai_accel.models import loading as model_module
 
 
 def test_env_is_read_from_torchrun_variables():
@@ -36,7 +36,7 @@ def test_ranks_beyond_the_gpu_count_share_gpus_as_accelerate_places_them():
 
 
 def test_ddp_backend_is_chosen_by_environment_variable():
-    from praisonai_accel.distributed import DDP_BACKEND_ENV, ddp_backend_kwargs
+    from praisonai_accel.runtime.distributed import DDP_BACKEND_ENV, ddp_backend_kwargs
 
     two = {"WORLD_SIZE": "2"}
     assert ddp_backend_kwargs(two) == {} and ddp_backend_kwargs({**two, DDP_BACKEND_ENV: ""}) == {}
@@ -59,7 +59,7 @@ def test_sharding_device_maps_are_refused_under_ddp(requested):
 
 
 def test_under_fsdp_nothing_is_placed_by_from_pretrained():
-    from praisonai_accel.distributed import fsdp_requested
+    from praisonai_accel.runtime.distributed import fsdp_requested
 
     assert fsdp_requested({"ACCELERATE_USE_FSDP": "true"}) and not fsdp_requested({})
     for rank in (0, 1):
@@ -192,7 +192,7 @@ def test_bf16_only_from_compute_capability_8_and_every_dtype_agrees(monkeypatch,
     counts. Autocast, the model's weights and unsloth's dtype then all follow from the same answer."""
     import torch
 
-    from praisonai_accel.distributed import gpu_has_bf16
+    from praisonai_accel.runtime.distributed import gpu_has_bf16
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -211,7 +211,7 @@ def test_bf16_only_from_compute_capability_8_and_every_dtype_agrees(monkeypatch,
 
 
 def test_packing_is_turned_off_under_unsloth_with_one_warning(caplog):
-    from praisonai_accel.model import Backend
+    from praisonai_accel.models.loading import Backend
     from praisonai_accel.worker.inputs import packing_for
 
     config = parse_config({"model_name": "m", "dataset": "d", "packing": True})

@@ -7,7 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from praisonai_accel.cli import app
-from praisonai_accel.config_vision import VISION_KEYS
+from praisonai_accel.config.vision import VISION_KEYS
 from praisonai_accel.methods.method_keys import DPOKeys, GRPOKeys
 
 GRPO_KEYS = set(GRPOKeys.model_fields) - set(DPOKeys.model_fields)  # GRPO's own: no DPO run holds them

@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from praisonai_accel.worker import checkpoint as ckpt
+from praisonai_accel.run_dir import checkpoints as ckpt_dir
 from praisonai_accel.data import INPUTS_INDEX
 
 from conftest import cli, cpu_env, fault_env, load_adapter, read_metrics, read_summary, write_config
@@ -76,7 +76,7 @@ def test_epoch_evaluation_and_loss_as_the_best_metric(feature_run):
     best = min(evals, key=lambda m: m["eval_loss"])
     assert summary["best_metric"] == pytest.approx(best["eval_loss"])  # "loss" means the eval loss, as in transformers
     assert summary["best_checkpoint"] == f"checkpoint-{best['step']}"
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-6", "checkpoint-12"]
+    assert [p.name for p in ckpt_dir.complete_checkpoints(out)] == ["checkpoint-6", "checkpoint-12"]
     assert summary["weights_in_sync"]  # gradient checkpointing under 2-process DDP (use_reentrant false)
 
 
@@ -128,7 +128,7 @@ def test_resume_from_an_explicit_checkpoint_with_more_processes_and_refusals(tmp
     odd = write_config(tmp_path, tiny_model, alpaca_file, max_steps=8, **{**common, "per_device_train_batch_size": 5})
     refused = cli("train", str(odd), "--dry-run")  # 24 samples done: batch 5 x 1 process cannot continue there
     assert refused.returncode == 2 and "cannot continue at exactly that sample" in refused.stderr, refused.stderr
-    assert ckpt.latest_complete(out).name == "checkpoint-6"  # refusing touched nothing
+    assert ckpt_dir.latest_complete(out).name == "checkpoint-6"  # refusing touched nothing
 
 
 def test_preprocess_preview_and_train_share_one_cache(tmp_path, tiny_model, alpaca_file):

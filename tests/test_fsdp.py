@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from praisonai_accel.worker import checkpoint as ckpt
+from praisonai_accel.run_dir import checkpoints as ckpt_dir
 
 from conftest import cli, cpu_env, load_adapter, read_metrics, read_summary, write_config
 from test_checkpoint import wait_for_step
@@ -110,7 +110,7 @@ def test_a_killed_fsdp_worker_is_healed_then_a_killed_job_resumes_exactly_from_s
             proc.kill()
     assert healed == 1, "the restarted workers did not resume"
     assert not (out / "train_summary.json").exists() and not workers_left(config)
-    checkpoint = ckpt.latest_complete(out)
+    checkpoint = ckpt_dir.latest_complete(out)
     assert {"model_shard_0.safetensors", "model_shard_1.safetensors", "optimizer_shard_1.safetensors"} <= {
         p.name for p in checkpoint.iterdir()}  # each rank wrote its own shard; nothing gathered, nothing pickled
     result = cli("train", str(config), *FSDP, timeout=240)

@@ -375,7 +375,7 @@ def test_demo_then_export_gguf_then_generate_from_it_offline(tmp_path, converter
     """The demo's tokenizer (trained on the spot, GPT-2's byte-level pre-tokenizer, a hash llama.cpp's converter cannot
     know) is named to the converter: the trained demo model exports, its GGUF's tokenizer checks out, and llama.cpp's
     greedy answers are the safetensors model's."""
-    from praisonai_accel.demo import task_records
+    from praisonai_accel.demo.text import task_records
 
     env = cpu_env(LLAMA_CPP_CONVERTER=str(converter))
     demo = cli("demo", "--dir", str(tmp_path / "demo"), "--num-processes", "1", "--steps", "120", env=env, timeout=600)

@@ -334,7 +334,7 @@ def test_num_iterations_trains_on_one_rollout_with_the_generating_policys_log_pr
 
 
 def test_resuming_on_another_layout_skips_prompts_not_completions():
-    from praisonai_accel.worker.checkpoint import CheckpointState, resume_skip
+    from praisonai_accel.run_dir.checkpoints import CheckpointState, resume_skip
 
     # 3 steps of 2 processes x 8 completions (2 prompts of 4): 12 prompts of the epoch done
     state = CheckpointState(global_step=3, epoch=0, batches_in_epoch=3, samples_in_epoch=12, samples_seen=12,
@@ -348,7 +348,7 @@ def test_resuming_on_another_layout_skips_prompts_not_completions():
 def test_a_checkpoint_mid_way_through_num_iterations_resumes_only_on_its_layout(tmp_path, tiny_model):
     """Each process holds its own prompts' rollout: refused before launch (and by the worker) on another layout."""
     from praisonai_accel.checks import resume_rule
-    from praisonai_accel.worker.checkpoint import MARKER, CheckpointState
+    from praisonai_accel.run_dir.checkpoints import MARKER, CheckpointState
 
     config = _grpo_config(tmp_path, tiny_model, num_iterations=2, resume_from_checkpoint=True)
     for step in (2, 3):
@@ -368,7 +368,7 @@ def test_a_checkpoint_mid_way_through_num_iterations_resumes_only_on_its_layout(
 
 def test_preview_shows_a_prompt_with_nothing_trained():
     from praisonai_accel.config import parse_config
-    from praisonai_accel.preview import example_parts
+    from praisonai_accel.commands._preview import example_parts
 
     config = parse_config({"model_name": "m", "dataset": "d.jsonl", "method": "grpo", "reward_funcs": ["exact_match"]})
     (title, ids, labels), = example_parts(config, {"prompt_input_ids": [5, 6, 7], "row": [123], "row_number": [0, 1, 1]})

@@ -268,7 +268,7 @@ def test_numbers_of_any_kind_and_async_functions_are_accepted():
 
 
 def test_the_worker_exits_with_the_reward_failure_code(tmp_path, capsys, monkeypatch):
-    from praisonai_accel.distributed import DistEnv
+    from praisonai_accel.runtime.distributed import DistEnv
     from praisonai_accel.logs import FILE_ONLY
     from praisonai_accel.worker import main
 
@@ -290,7 +290,7 @@ def test_the_worker_exits_with_the_reward_failure_code(tmp_path, capsys, monkeyp
 
 
 def test_a_reward_failure_on_several_ranks_names_the_rank_whose_batch_held_the_row(tmp_path, capsys, monkeypatch):
-    from praisonai_accel.distributed import DistEnv
+    from praisonai_accel.runtime.distributed import DistEnv
     from praisonai_accel.logs import FILE_ONLY
     from praisonai_accel.worker import main
 
@@ -356,7 +356,7 @@ def test_a_column_a_reward_reads_must_be_in_the_dataset():
 def test_a_missing_reward_column_is_one_line_from_preprocessing_before_training(tmp_path):
     """The dataset's columns are checked against what the reward functions read when the launcher preprocesses,
     before any model loads: not blamed on the first row's rollout."""
-    from praisonai_accel.demo import make_tiny_model
+    from praisonai_accel.demo.text import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model")
     data = tmp_path / "data.jsonl"

@@ -46,7 +46,7 @@ GRPO = dict(method="grpo", reward_funcs=["rewards:short", "rewards:reversed_word
 
 
 def _data(directory, count=48):
-    from praisonai_accel.demo import demo_prompt, task_records
+    from praisonai_accel.demo.text import demo_prompt, task_records
 
     rows = [{"prompt": demo_prompt(r), "answer": r["output"]} for r in task_records(count, seed=0)]
     path = directory / "data.jsonl"

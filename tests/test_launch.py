@@ -146,7 +146,7 @@ def test_asking_for_more_gpus_than_exist_is_a_clear_error(tmp_path, tiny_model, 
 
 
 def test_config_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch):
-    from praisonai_accel import distributed
+    from praisonai_accel.runtime import distributed
     from praisonai_accel.launcher import plan
 
     monkeypatch.setattr(plan, "count_cuda_gpus", lambda: 4)  # a machine with 4 GPUs, bf16-capable

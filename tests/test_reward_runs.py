@@ -24,7 +24,7 @@ from conftest import cli, load_adapter, read_metrics, read_summary, write_config
 from test_checkpoint import TWO, assert_same_run, start, wait_for_step
 from test_training import workers_left
 
-from praisonai_accel.demo import demo_prompt, preference_records, task_records, write_jsonl
+from praisonai_accel.demo.text import demo_prompt, preference_records, task_records, write_jsonl
 
 REWARD = dict(method="reward", max_seq_length=48, max_prompt_length=32, learning_rate=5e-3, logging_steps=1,
               warmup_steps=0, center_rewards_coefficient=0.01)

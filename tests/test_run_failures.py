@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from praisonai_accel.worker import checkpoint as ckpt
+from praisonai_accel.run_dir import checkpoints as ckpt_dir
 from praisonai_accel.launcher.plan import free_port
 
 from conftest import cli, fault_env, read_summary, run, write_config
@@ -79,7 +79,7 @@ def test_sigterm_between_micro_batches_saves_at_once_and_resumes_exactly(tmp_pat
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "stopped by SIGTERM" in stderr, stderr[-3000:]
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-1"]
+    assert [p.name for p in ckpt_dir.complete_checkpoints(out)] == ["checkpoint-1"]
     assert json.loads((out / "progress.json").read_text())["status"] == "preempted"
     resumed = cli("train", str(config), *TWO)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
@@ -110,7 +110,7 @@ def test_reentrant_checkpointing_refuses_parameters_that_get_no_gradient(tiny_mo
 
     from praisonai_accel.methods.lm_loss import CausalLMLoss
     from praisonai_accel.methods.sft import SFT
-    from praisonai_accel.model import parameters_without_gradient
+    from praisonai_accel.models.loading import parameters_without_gradient
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
     model.requires_grad_(False)

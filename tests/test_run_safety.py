@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from praisonai_accel.worker import checkpoint as ckpt
-from praisonai_accel.worker.checkpoint_manifest import MANIFEST
+from praisonai_accel.run_dir import checkpoints as ckpt_dir
+from praisonai_accel.run_dir.manifest import MANIFEST
 from praisonai_accel.launcher.plan import free_port
-from praisonai_accel.run_lock import LOCK_NAME, RunLock, RunLocked
+from praisonai_accel.run_dir.lock import LOCK_NAME, RunLock, RunLocked
 
 from conftest import cli, cpu_env, read_summary, run, write_config
 
-HOLD = ("import sys, time; from praisonai_accel.run_lock import RunLock; RunLock(sys.argv[1], sys.argv[2]).acquire(); "
+HOLD = ("import sys, time; from praisonai_accel.run_dir.lock import RunLock; RunLock(sys.argv[1], sys.argv[2]).acquire(); "
         "print('held', flush=True); time.sleep(120)")
 
 
@@ -60,7 +60,7 @@ def test_the_lock_names_its_holder_refuses_a_second_run_and_takes_over_a_dead_on
 def test_without_flock_the_file_is_the_lock(tmp_path, monkeypatch, caplog):
     """On a file system without locks (an NFS mount with nolock, some FUSE file systems) O_EXCL creation is the lock
     and what the file names decides: a live process refuses, a dead one on this host is taken over."""
-    import praisonai_accel.run_lock as run_lock
+    import praisonai_accel.run_dir.lock as run_lock
 
     monkeypatch.setattr(run_lock, "_flock", lambda fd: None)
     proc = holder(tmp_path)  # holds flock, which this process now ignores: only the file's content counts
@@ -159,7 +159,7 @@ def test_every_checkpoint_file_is_in_its_manifest(two_checkpoints):
     checkpoint = two_checkpoints / "out" / "checkpoint-4"
     recorded = json.loads((checkpoint / MANIFEST).read_text())
     files = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
-    assert set(recorded["files"]) == files - {MANIFEST, ckpt.MARKER}
+    assert set(recorded["files"]) == files - {MANIFEST, ckpt_dir.MARKER}
     assert {"model.safetensors", "optimizer.bin", "scheduler.json", "praisonai_state.json",
             "adapter/adapter_model.safetensors"} <= set(recorded["files"])
     assert all(entry["size"] == (checkpoint / name).stat().st_size for name, entry in recorded["files"].items())
@@ -178,7 +178,7 @@ def test_truncated_weights_heal_from_the_previous_checkpoint(tmp_path, two_check
     out = tmp_path / "out"
     assert read_summary(out)["global_step"] == 6
     assert (out / "checkpoint-4.damaged").is_dir()  # kept, renamed, no longer the newest rotation protects
-    assert ckpt.is_complete(out / "checkpoint-4") and ckpt.is_complete(out / "checkpoint-6")  # saved again
+    assert ckpt_dir.is_complete(out / "checkpoint-4") and ckpt_dir.is_complete(out / "checkpoint-6")  # saved again
 
 
 def test_one_flipped_byte_in_the_optimizer_state_is_skipped_with_a_warning(tmp_path, two_checkpoints, tiny_model,

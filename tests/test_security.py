@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from praisonai_accel.worker import checkpoint as ckpt
+from praisonai_accel.run_dir import checkpoints as ckpt_dir
 from praisonai_accel.config import ConfigError, parse_config
 from praisonai_accel.launcher.local import LauncherOutput
-from praisonai_accel.output_dirs import MARKER, NotOurs, check_replaceable, replace_with
+from praisonai_accel.run_dir.output_dirs import MARKER, NotOurs, check_replaceable, replace_with
 from praisonai_accel.launcher.slurm import slurm_script
 
 from conftest import REPO, cli, cpu_env, read_summary, run, write_config
@@ -68,9 +68,9 @@ def test_checkpoints_hold_no_pickled_scheduler_and_stale_push_snapshots_are_remo
     directory, stderr = finished
     out = directory / "out"
     names = {p.name for p in (out / "checkpoint-4").iterdir()}
-    assert ckpt.SCHEDULER_FILE in names and not any(n.startswith("custom_checkpoint") for n in names)
-    assert json.loads((out / "checkpoint-4" / ckpt.SCHEDULER_FILE).read_text())["last_epoch"] == 4
-    ckpt.check_safe_to_load(out / "checkpoint-4")  # what this project writes passes its own scan
+    assert ckpt_dir.SCHEDULER_FILE in names and not any(n.startswith("custom_checkpoint") for n in names)
+    assert json.loads((out / "checkpoint-4" / ckpt_dir.SCHEDULER_FILE).read_text())["last_epoch"] == 4
+    ckpt_dir.check_safe_to_load(out / "checkpoint-4")  # what this project writes passes its own scan
     assert not (out / ".push-abc123").exists() and (out / "notes.txt").read_text() == "mine"
     assert "trust_remote_code: true without revision" in stderr
     assert stderr.count("without revision") == 1  # once, not once per rank or per load
@@ -114,7 +114,7 @@ def test_resuming_another_runs_checkpoint_says_what_differs_and_force_resume_ove
 
 def test_chat_needs_the_runs_trust_remote_code_passed_explicitly(finished):
     """A file in the model folder says how it was trained; it never turns remote code on by itself."""
-    from praisonai_accel.inference import ModelDirError, load_for_inference
+    from praisonai_accel.models.inference import ModelDirError, load_for_inference
 
     directory, _ = finished
     with pytest.raises(ModelDirError, match="pass --trust-remote-code"):

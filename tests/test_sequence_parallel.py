@@ -12,10 +12,10 @@ import torch
 
 import sp_workers
 from praisonai_accel.config import ConfigError, parse_config
-from praisonai_accel.sequence_parallel import (
+from praisonai_accel.models.sequence_parallel import (
     Layout, SequenceParallel, check_sequence_parallel, check_world, prepare_loader, shard_targets,
 )
-from praisonai_accel.tiled_mlp import apply_tiled_mlp, decoder_mlps, tile_count
+from praisonai_accel.models.tiled_mlp import apply_tiled_mlp, decoder_mlps, tile_count
 
 CASES = [[kind, attention, batch, "chunked"] for kind in ("llama", "qwen3", "qwen3-1kv", "gemma2")
          for attention in ("sdpa", "eager") for batch in ("padded", "packed")]

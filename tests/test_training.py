@@ -24,7 +24,7 @@ def assert_single_clean_adapter(output_dir):
 
 
 def test_one_process_without_launcher_loss_decreases(tmp_path, tiny_model, alpaca_file):
-    from praisonai_accel.demo import demo_records, write_jsonl
+    from praisonai_accel.demo.text import demo_records, write_jsonl
 
     held_out = write_jsonl(demo_records(32, seed=99), tmp_path / "held_out.jsonl")  # rows never trained on
     config = write_config(tmp_path, tiny_model, alpaca_file, max_steps=40, learning_rate=1e-2, logging_steps=5,

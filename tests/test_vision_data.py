@@ -19,7 +19,7 @@ from praisonai_accel.config import ConfigError, parse_config
 from praisonai_accel.data import IGNORE_INDEX, DataError, load_tokenizer, tokenize_dataset
 from praisonai_accel.data.images import decode_references
 from praisonai_accel.data.vision_processor import is_vision_config
-from praisonai_accel.demo_vision import KINDS, make_tiny_vlm, shape_records, trl_rows, unbuildable_reason
+from praisonai_accel.demo.vision import KINDS, make_tiny_vlm, shape_records, trl_rows, unbuildable_reason
 from praisonai_accel.methods.sft import SFT
 
 FIXTURES = REPO.parent / "shared" / "fixtures" / "llamafactory"
@@ -176,8 +176,8 @@ def test_the_cache_keeps_ids_and_image_paths_and_too_long_rows_are_left_out_whol
 
 
 def _loaded(model: Path, tmp_path: Path, rows: list[dict] | None = None, **overrides):
-    from praisonai_accel.distributed import DistEnv
-    from praisonai_accel.model import Backend, load_model_and_tokenizer
+    from praisonai_accel.runtime.distributed import DistEnv
+    from praisonai_accel.models.loading import Backend, load_model_and_tokenizer
 
     rows = rows if rows is not None else trl_rows(shape_records(2, 0, tmp_path / "img"))
     data = tmp_path / "rows.jsonl"
@@ -192,7 +192,7 @@ def _loaded(model: Path, tmp_path: Path, rows: list[dict] | None = None, **overr
 def test_frozen_parts_get_no_gradient_and_do_not_change(tiny_vlms, kind, tmp_path):
     """Defaults (LoRA): the vision tower frozen and without LoRA, the projector trained whole, LoRA on the language
     model; one optimizer step changes only those."""
-    from praisonai_accel.vision_model import part_of
+    from praisonai_accel.models.vision import part_of
 
     config, causal_lm, tokenizer = _loaded(_vlm(tiny_vlms, kind), tmp_path)
     assert is_vision_config(causal_lm.config)
@@ -226,7 +226,7 @@ def test_frozen_parts_get_no_gradient_and_do_not_change(tiny_vlms, kind, tmp_pat
 
 
 def test_unfreezing_the_vision_tower_puts_lora_there_and_full_fine_tuning_honours_freezing(tiny_vlms, tmp_path):
-    from praisonai_accel.vision_model import part_of
+    from praisonai_accel.models.vision import part_of
 
     model = _vlm(tiny_vlms, "llava")
     _, lora, _ = _loaded(model, tmp_path, finetune_vision_layers=True, freeze_multi_modal_projector=True)
@@ -293,7 +293,7 @@ def test_image_pixel_budget_reaches_processors_that_take_one_and_is_refused_by_o
 
 
 def test_rows_with_images_for_a_text_model_are_bad_rows(tiny_model, tmp_path):
-    from praisonai_accel.demo_vision import llamafactory_rows
+    from praisonai_accel.demo.vision import llamafactory_rows
 
     row = llamafactory_rows(shape_records(1, 0, tmp_path / "img"))[0]
     text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}], "images": []}
@@ -390,7 +390,7 @@ def test_a_decompression_bomb_is_a_bad_row_and_one_line_for_chat(tmp_path, monke
     from PIL import Image
 
     from praisonai_accel.data.images import check_images
-    from praisonai_accel.inference import read_image
+    from praisonai_accel.models.inference import read_image
 
     path = tmp_path / "big.png"
     Image.new("RGB", (64, 64)).save(path)
@@ -404,7 +404,7 @@ def test_a_decompression_bomb_is_a_bad_row_and_one_line_for_chat(tmp_path, monke
 
 def test_gemma3n_audio_and_embedders_and_llava_next_newline_are_vision_and_projector_parts():
     """Names as transformers 5's Gemma3nModel and LlavaNextModel give them."""
-    from praisonai_accel.vision_model import part_of
+    from praisonai_accel.models.vision import part_of
 
     assert part_of("model.audio_tower.conformer.0.ffw_layer_start.ffw_layer_1.weight") == "vision"
     assert part_of("model.embed_audio.embedding_projection.weight") == "projector"
@@ -421,8 +421,8 @@ def test_qlora_leaves_the_vision_tower_projector_and_head_unquantized(tiny_vlms,
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from praisonai_accel.model import quantization_settings, vision_quantization_skips
-    from praisonai_accel.vision_model import part_of
+    from praisonai_accel.models.loading import quantization_settings, vision_quantization_skips
+    from praisonai_accel.models.vision import part_of
 
     model = _vlm(tiny_vlms, kind)
     settings = quantization_settings(torch.bfloat16, vision_quantization_skips(_config(model, model, tmp_path)))

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from conftest import cli
 from praisonai_accel.cli import app
 from praisonai_accel.config import parse_config
-from praisonai_accel.demo_vision import (held_out_answers, make_tiny_vlm, shape_records,
+from praisonai_accel.demo.vision import (held_out_answers, make_tiny_vlm, shape_records,
                                          vision_demo_config)
 
 
@@ -34,7 +34,7 @@ def test_the_demo_config_is_a_valid_vision_config(tmp_path):
 
 
 def test_held_out_answers_are_one_per_image_and_scored_exactly(tmp_path):
-    from praisonai_accel.inference import generate, load_for_inference, read_image
+    from praisonai_accel.models.inference import generate, load_for_inference, read_image
 
     model, processor = load_for_inference(make_tiny_vlm("idefics3", tmp_path / "vlm"), device="cpu")
     records = shape_records(5, 0, tmp_path / "images")

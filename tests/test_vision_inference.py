@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import cli, cpu_env, make_architecture
 from praisonai_accel.cli import app
-from praisonai_accel.demo_vision import KINDS, make_tiny_vlm, shape_records, unbuildable_reason
+from praisonai_accel.demo.vision import KINDS, make_tiny_vlm, shape_records, unbuildable_reason
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def _capture_generate(model):
 def test_generate_puts_the_image_through_the_processor(vlm, image):
     from transformers import Idefics3Processor
 
-    from praisonai_accel.inference import generate, load_for_inference, read_image, stop_token_ids
+    from praisonai_accel.models.inference import generate, load_for_inference, read_image, stop_token_ids
 
     model, processor = load_for_inference(vlm, device="cpu")
     assert isinstance(processor, Idefics3Processor) and type(model).__name__ == "Idefics3ForConditionalGeneration"
@@ -67,7 +67,7 @@ def test_every_tiny_architecture_answers_about_an_image(kind, image, tmp_path):
     turn (LLaVA 1.5's template writes none: its eos)."""
     if unbuildable_reason(kind):
         pytest.skip(unbuildable_reason(kind))
-    from praisonai_accel.inference import generate, load_for_inference, read_image, stop_token_ids
+    from praisonai_accel.models.inference import generate, load_for_inference, read_image, stop_token_ids
 
     model, processor = load_for_inference(make_tiny_vlm(kind, tmp_path / kind), device="cpu")
     seen = _capture_generate(model)
@@ -87,7 +87,7 @@ def test_a_lora_adapter_over_a_vlm_loads_with_its_base_processor(vlm, image, tmp
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    from praisonai_accel.inference import generate, load_for_inference, read_image
+    from praisonai_accel.models.inference import generate, load_for_inference, read_image
 
     base = AutoModelForImageTextToText.from_pretrained(vlm)
     peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
@@ -105,7 +105,7 @@ def test_a_lora_adapter_over_a_vlm_loads_with_its_base_processor(vlm, image, tmp
 
 
 def test_a_multimodal_model_saved_without_a_processor_still_loads_for_text(tmp_path):
-    from praisonai_accel.inference import generate, is_processor, load_for_inference
+    from praisonai_accel.models.inference import generate, is_processor, load_for_inference
 
     model, tokenizer = load_for_inference(make_architecture(tmp_path / "gemma3", "gemma3"), device="cpu")
     assert not is_processor(tokenizer)
@@ -153,11 +153,11 @@ def test_whether_a_checkpoint_takes_images_is_one_rule_fetched_from_the_hub_when
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError
 
-    from praisonai_accel import model as model_module
+    from praisonai_accel.models import loading as model_module
     from praisonai_accel.config import parse_config
     from praisonai_accel.data.vision_processor import declares_images, is_vision_checkpoint
-    from praisonai_accel.distributed import DistEnv
-    from praisonai_accel.inference import takes_images
+    from praisonai_accel.runtime.distributed import DistEnv
+    from praisonai_accel.models.inference import takes_images
 
     def fake_hub(folder):
         def download(repo_id, filename, revision=None, **_):

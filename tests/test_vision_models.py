@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from praisonai_accel.demo_vision import (KINDS, chat_template, exact_match, llamafactory_rows, make_tiny_vlm,
+from praisonai_accel.demo.vision import (KINDS, chat_template, exact_match, llamafactory_rows, make_tiny_vlm,
                                          prompt_messages, shape_records, shape_splits, trl_rows, unbuildable_reason)
 
 PROCESSORS = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "gemma3": "Gemma3Processor",

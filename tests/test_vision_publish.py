@@ -9,8 +9,8 @@ import yaml
 
 from conftest import cli, cpu_env
 from fake_servers import FakeHub
-from praisonai_accel.demo import write_jsonl
-from praisonai_accel.demo_vision import make_tiny_vlm, shape_records, trl_rows
+from praisonai_accel.demo.text import write_jsonl
+from praisonai_accel.demo.vision import make_tiny_vlm, shape_records, trl_rows
 
 TOKEN = "hf_TESTsecretTOKEN0123456789"
 PROCESSOR_FILES = {"processor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"}
@@ -89,9 +89,9 @@ def test_the_final_model_checkpoints_and_hub_push_carry_the_processor(trained):
 def test_a_merged_vlm_holds_its_processor_and_answers_like_base_plus_adapter(trained, shapes, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from praisonai_accel.inference import load_for_inference, read_image
+    from praisonai_accel.models.inference import load_for_inference, read_image
 
-    from praisonai_accel.inference import resolve_model_dir
+    from praisonai_accel.models.inference import resolve_model_dir
     from praisonai_accel.publish.merge import merge_adapter
 
     out, _ = trained
@@ -146,7 +146,7 @@ def test_what_takes_images_is_a_vision_config_saved_with_its_image_processor(tin
     from transformers import AutoModelForImageTextToText
 
     from conftest import make_architecture
-    from praisonai_accel.inference import takes_images
+    from praisonai_accel.models.inference import takes_images
     from praisonai_accel.publish.gguf import GGUFError, plan_export
 
     assert takes_images(tiny_model) == (False, "llama")

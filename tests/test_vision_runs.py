@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, cli, load_adapter, read_metrics, write_config
 from test_checkpoint import TWO, assert_same_run, start, wait_for_step
 from test_training import workers_left
-from praisonai_accel.demo_vision import make_tiny_vlm, shape_records, trl_rows
+from praisonai_accel.demo.vision import make_tiny_vlm, shape_records, trl_rows
 
 EXACT = dict(max_steps=8, per_device_train_batch_size=2, learning_rate=1e-2, lora_dropout=0.0, lora_r=4,
              logging_steps=1, warmup_steps=0, max_seq_length=256)

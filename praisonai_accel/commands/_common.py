@@ -24,7 +24,7 @@ def one_line_errors(command):
     @functools.wraps(command)
     def run(*args, **kwargs):
         from ..data import DataError
-        from ..handoff import HandoffFailed
+        from ..runtime.handoff import HandoffFailed
 
         try:
             return command(*args, **kwargs)

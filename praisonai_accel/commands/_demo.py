@@ -38,11 +38,11 @@ def launch_demo(config_path: Path, raw: dict, processes: int, output: Path) -> d
 
 
 def text_answers(model_dir: Path, records: list[dict]) -> list[str]:
-    """The model's greedy answers to the demo's held-out prompts (praisonai_accel.demo.held_out_answers)."""
+    """The model's greedy answers to the demo's held-out prompts (praisonai_accel.demo.text.held_out_answers)."""
     from transformers.utils import logging as hf_logging
 
-    from ..demo import held_out_answers
-    from ..inference import load_for_inference
+    from ..demo.text import held_out_answers
+    from ..models.inference import load_for_inference
 
     hf_logging.disable_progress_bar()
     model, tokenizer = load_for_inference(model_dir, device="cpu")

@@ -17,7 +17,7 @@ def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]]
     """(model, tokenizer or processor, images): every --image read and the model checked to take images before it
     loads, each failure in one line."""
     from ..data.vision_processor import is_vision_config
-    from ..inference import (ModelDirError, is_processor, load_for_inference, model_config_of, read_image,
+    from ..models.inference import (ModelDirError, is_processor, load_for_inference, model_config_of, read_image,
                              resolve_model_dir)
 
     show_progress_lines()
@@ -53,7 +53,7 @@ def chat_command(
     image: Optional[List[Path]] = typer.Option(None, "--image", help=_IMAGE_HELP),
 ) -> None:
     """Chat with the model on stdin (one message per line; empty line or EOF ends)."""
-    from ..inference import generate
+    from ..models.inference import generate
 
     model, tokenizer, images = _load(path, trust_remote_code, image)
     messages = [{"role": "system", "content": system}] if system else []
@@ -86,7 +86,7 @@ def generate_command(
     if path.suffix.lower() == ".gguf":
         replies = _generate_from_gguf(path, conversations, max_new_tokens, temperature, image)
     else:
-        from ..inference import generate
+        from ..models.inference import generate
 
         model, tokenizer, images = _load(path, trust_remote_code, image)
         replies = [generate(model, tokenizer, messages, max_new_tokens, temperature, images=images)

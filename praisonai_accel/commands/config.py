@@ -26,7 +26,7 @@ def config_command(
     if ctx.invoked_subcommand is not None:
         return
     from ..atomic import write_yaml_atomic
-    from ..distributed import gpu_has_bf16, resolve_mixed_precision
+    from ..runtime.distributed import gpu_has_bf16, resolve_mixed_precision
     from ..launcher.accelerate_config import build_accelerate_config
     from ..launcher.plan import count_cuda_gpus, parse_gpus
 
@@ -52,7 +52,7 @@ def schema_command(
     """The JSON Schema of config.yaml, for editors (VS Code's YAML extension: `# yaml-language-server: $schema=FILE`
     as a config's first line), or with --markdown the configuration reference page."""
     from ..atomic import write_text_atomic
-    from ..config_schema import REFERENCE_MARKER, SCHEMA_ID, reference_markdown, schema_json
+    from ._schema import REFERENCE_MARKER, SCHEMA_ID, reference_markdown, schema_json
 
     text = reference_markdown() if markdown else schema_json()
     if output is None:

@@ -52,7 +52,7 @@ def demo_command(
         from .demo_dpo import dpo_demo
 
         return dpo_demo(directory, processes, steps, lambda: demo_command(directory, processes, None, "sft", False))
-    from ..demo import demo_config, make_tiny_model, task_records, write_jsonl
+    from ..demo.text import demo_config, make_tiny_model, task_records, write_jsonl
     from ._demo import launch_demo, text_answers
 
     model_dir = directory / "tiny-llama"
@@ -73,7 +73,7 @@ def demo_command(
 
 
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict) -> None:
-    from ..demo import exact_match
+    from ..demo.text import exact_match
 
     show_examples(held_out, before, after)
     typer.echo(f"exact-match accuracy on {len(held_out)} held-out prompts: {exact_match(before, held_out):.0%} before, "
@@ -84,7 +84,7 @@ def _report(held_out: list[dict], before: list[str], after: list[str], summary: 
 def show_examples(held_out: list[dict], before: list[str], after: list[str]) -> None:
     """A few held-out prompts as trained (demo.shown_prompt), right and wrong answers after training in about the
     proportion the accuracy has (demo.examples_to_show), each marked."""
-    from ..demo import examples_to_show, shown_prompt
+    from ..demo.text import examples_to_show, shown_prompt
 
     for i in examples_to_show(after, [r["output"] for r in held_out], SHOWN):
         record, verdict = held_out[i], "right" if after[i] == held_out[i]["output"] else "wrong"

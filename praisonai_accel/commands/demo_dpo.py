@@ -30,14 +30,14 @@ DPO_SETTINGS = dict(method="dpo", beta=0.1, finetune_type="lora", lora_r=16, lor
 
 def preference_pairs(records: list[dict]) -> list[dict]:
     """TRL's conversational prompt / chosen / rejected: the whole reversal over the one that stops a name early."""
-    from ..demo import demo_prompt
+    from ..demo.text import demo_prompt
 
     return [{"prompt": demo_prompt(r), "chosen": [{"role": "assistant", "content": r["output"]}],
              "rejected": [{"role": "assistant", "content": " ".join(r["output"].split()[:-1])}]} for r in records]
 
 
 def dpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
-    from ..demo import demo_config, task_records, write_jsonl
+    from ..demo.text import demo_config, task_records, write_jsonl
     from ._demo import launch_demo, sft_demo_model, text_answers
     from .demo import HELD_OUT_ROWS, TRAIN_ROWS
     from .demo_grpo import four_name_records
@@ -63,7 +63,7 @@ def dpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> N
 
 
 def _report(held_out, pairs, sft_held_out, before, after, summary) -> None:
-    from ..demo import examples_to_show, exact_match, shown_prompt
+    from ..demo.text import examples_to_show, exact_match, shown_prompt
 
     for i in examples_to_show(after[1], [r["output"] for r in held_out], SHOWN):
         verdict = "right" if after[1][i] == held_out[i]["output"] else "wrong"
@@ -82,8 +82,8 @@ def _report(held_out, pairs, sft_held_out, before, after, summary) -> None:
 def _accuracy(model_dir: Path, pairs: list[dict]) -> float:
     from transformers.utils import logging as hf_logging
 
-    from ..demo import preference_accuracy
-    from ..inference import load_for_inference
+    from ..demo.text import preference_accuracy
+    from ..models.inference import load_for_inference
 
     hf_logging.disable_progress_bar()
     model, tokenizer = load_for_inference(model_dir, device="cpu")

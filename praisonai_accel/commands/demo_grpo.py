@@ -27,7 +27,7 @@ def reversal_reward(completions, answer, **kwargs) -> list[float]:
 
 
 def four_name_records(count: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
-    from ..demo import _NAMES
+    from ..demo.text import _NAMES
 
     rng, records, seen = random.Random(seed), [], set(exclude)
     while len(records) < count:
@@ -40,7 +40,7 @@ def four_name_records(count: int, seed: int, exclude: set[str] = frozenset()) ->
 
 
 def grpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
-    from ..demo import demo_config, demo_prompt, write_jsonl
+    from ..demo.text import demo_config, demo_prompt, write_jsonl
     from ._demo import launch_demo, sft_demo_model, text_answers
 
     sft_model = sft_demo_model(directory, train_sft)
@@ -63,8 +63,8 @@ def grpo_demo(directory: Path, processes: int, steps: int | None, train_sft) -> 
 
 
 def _report(held_out, before, after, summary, output: Path) -> None:
-    from ..demo import exact_match
-    from ..worker.metrics import read_metrics
+    from ..demo.text import exact_match
+    from ..run_dir.metrics import read_metrics
 
     from .demo import show_examples
 

@@ -17,7 +17,7 @@ TRAIN_PAIRS, HELD_OUT_PAIRS, STEPS, SEED = 512, 100, 30, 3407
 
 def reward_demo_config(base_model: Path, data: Path, output: Path, steps: int | None = None) -> dict:
     """The demo's reward-model run (bench/reward.py trains TRL's RewardTrainer with the same settings)."""
-    from ..demo import demo_config
+    from ..demo.text import demo_config
 
     return demo_config(base_model, data.resolve(), output, method="reward", max_steps=steps or STEPS,
                        dataset=[{"name": str(data.resolve())}], finetune_type="lora", lora_r=16, lora_alpha=32,
@@ -26,7 +26,7 @@ def reward_demo_config(base_model: Path, data: Path, output: Path, steps: int | 
 
 
 def reward_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
-    from ..demo import preference_records, task_records, write_jsonl
+    from ..demo.text import preference_records, task_records, write_jsonl
     from ._demo import launch_demo, sft_demo_model
 
     base = sft_demo_model(directory, train_sft)

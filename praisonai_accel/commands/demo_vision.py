@@ -16,8 +16,8 @@ KIND, TRAIN_IMAGES, HELD_OUT_IMAGES, SHOWN = "idefics3", 512, 64, 3
 
 
 def vision_demo(directory: Path, processes: int, steps: int | None) -> None:
-    from ..demo import write_jsonl
-    from ..demo_vision import make_tiny_vlm, shape_splits, trl_rows, vision_demo_config
+    from ..demo.text import write_jsonl
+    from ..demo.vision import make_tiny_vlm, shape_splits, trl_rows, vision_demo_config
     from ._demo import launch_demo
 
     model_dir = directory / f"tiny-{KIND}"
@@ -39,8 +39,8 @@ def vision_demo(directory: Path, processes: int, steps: int | None) -> None:
 def _answers(model_dir: Path, records: list[dict], image_root: Path) -> list[str]:
     from transformers.utils import logging as hf_logging
 
-    from ..demo_vision import held_out_answers
-    from ..inference import load_for_inference
+    from ..demo.vision import held_out_answers
+    from ..models.inference import load_for_inference
 
     hf_logging.disable_progress_bar()
     model, processor = load_for_inference(model_dir, device="cpu")
@@ -48,8 +48,8 @@ def _answers(model_dir: Path, records: list[dict], image_root: Path) -> list[str
 
 
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict, image_root: Path) -> None:
-    from ..demo import examples_to_show
-    from ..demo_vision import exact_match
+    from ..demo.text import examples_to_show
+    from ..demo.vision import exact_match
 
     answers = [a.strip() for a in after]
     for i in examples_to_show(answers, [r["answer"] for r in held_out], SHOWN):  # right and wrong, as the score has them

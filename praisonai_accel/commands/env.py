@@ -42,7 +42,7 @@ def env_command() -> None:
     for name in PACKAGES:
         typer.echo(f"{name}: {_version(name)}")
     if torch.cuda.is_available():
-        from ..distributed import gpu_has_bf16
+        from ..runtime.distributed import gpu_has_bf16
 
         bf16 = "yes" if gpu_has_bf16() else "no (fp16 with loss scaling)"
         typer.echo(f"cuda: {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), native bf16 {bf16}")

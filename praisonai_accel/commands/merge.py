@@ -19,7 +19,7 @@ def merge_command(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
 ) -> None:
     """Merge the LoRA adapter into the base model; save safetensors + tokenizer."""
-    from ..inference import ModelDirError, resolve_model_dir
+    from ..models.inference import ModelDirError, resolve_model_dir
     from ..publish.merge import merge_adapter
 
     show_progress_lines()

@@ -20,7 +20,7 @@ def preview_command(
     from rich.console import Console
 
     from ..data import IGNORE_INDEX
-    from ..preview import dataset_rows, example_parts, histogram, image_marks, marked_text
+    from ._preview import dataset_rows, example_parts, histogram, image_marks, marked_text
 
     cfg = load_config(config)
     check_local_inputs(cfg)

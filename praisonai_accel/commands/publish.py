@@ -25,7 +25,7 @@ def ollama_command(
 ) -> None:
     """Write a Modelfile next to the model and create it on the Ollama server."""
     from ..errors import first_line
-    from ..inference import resolve_model_dir
+    from ..models.inference import resolve_model_dir
     from ..publish.ollama import OllamaRefused, publish
 
     show_progress_lines()

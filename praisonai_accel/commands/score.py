@@ -45,7 +45,7 @@ def score_command(
 ) -> None:
     """Print the reward of each prompt + completion, one per line, in order. Text is put in the chat template as a
     user and an assistant message, as conversational training rows are, unless --raw."""
-    from ..inference import ModelDirError, resolve_model_dir
+    from ..models.inference import ModelDirError, resolve_model_dir
     from ..methods.reward import reward_model_problem
     from ..methods.reward_module import load_scorer, score_texts
 

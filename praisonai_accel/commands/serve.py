@@ -46,7 +46,7 @@ def serve_command(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
 ) -> None:
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions) until Ctrl-C or SIGTERM."""
-    from ..output_dirs import read_marker
+    from ..run_dir.output_dirs import read_marker
     from ..serve.engines import check_api_key, plan_launch
     from ..serve.model_view import remove_view
     from ..serve.supervise import (Engine, Stopped, check_port, ignore_signals, restore_signals, stop_on_signals,

@@ -61,12 +61,12 @@ def train_command(
     """Fine-tune a model as described by CONFIG."""
     import uuid
 
-    from ..distributed import gpu_has_bf16, resolve_mixed_precision
-    from ..handoff import worker_environment
+    from ..runtime.distributed import gpu_has_bf16, resolve_mixed_precision
+    from ..runtime.handoff import worker_environment
     from ..launcher.accelerate_config import read_accelerate_config, total_processes
     from ..launcher.local import launch
     from ..launcher.plan import count_cuda_gpus, memory_note, plan_launch, resolve_nodes, resolve_processes
-    from ..worker.checkpoint_manifest import verdicts
+    from ..run_dir.manifest import verdicts
 
     cfg = load_config(config)
     check_local_inputs(cfg)
@@ -156,7 +156,7 @@ def keys_shown(cfg, takes_images: bool | None) -> dict:
     """The resolved config as --dry-run prints it: every key this run reads, and every key written with another
     value than its default; keys at their default that the method, the model (no images) or the settings leave
     unread are left out."""
-    from ..config_vision import VISION_KEYS
+    from ..config.vision import VISION_KEYS
 
     unread = keys_the_method_does_not_read(cfg)
     if takes_images is False:
@@ -188,8 +188,8 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
         raise typer.Exit(0)
     check_hub_access(cfg)
     hold_run_lock(cfg, None)
-    from ..handoff import worker_environment
-    from ..worker.checkpoint_manifest import verdicts
+    from ..runtime.handoff import worker_environment
+    from ..run_dir.manifest import verdicts
     from ._common import tokenized_or_fail
 
     tokenized_or_fail(cfg)  # once, here: the workers only read the cache
@@ -201,7 +201,7 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
 
 def hold_run_lock(cfg, nodes) -> None:
     """One run per output_dir, held until this process exits; refused in one line when another run holds it."""
-    from ..run_lock import RunLocked, launcher_lock
+    from ..run_dir.lock import RunLocked, launcher_lock
 
     try:
         launcher_lock(cfg.output_path(), nodes)
@@ -249,7 +249,7 @@ def preprocess_beside_workers(cfg, status: Path, rows_checked) -> None:
     import threading
 
     from ..data import DataError, load_datasets
-    from ..handoff import write_preprocessing_status
+    from ..runtime.handoff import write_preprocessing_status
 
     write_preprocessing_status(status, "running")
 

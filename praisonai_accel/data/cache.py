@@ -213,7 +213,7 @@ def cache_entries(config: TrainConfig, tokenizer) -> list[Path]:
 def wait_for_cache(config: TrainConfig, tokenizer, failed: Path, poll_seconds: float = 0.2) -> None:
     """Wait (handoff.wait_for: the file system, no time limit) until the rank building the cache has finished it;
     if the builder fails it writes `failed`, and this rank stops too; if it dies, the launcher stops this rank."""
-    from ..handoff import HandoffFailed, wait_for
+    from ..runtime.handoff import HandoffFailed, wait_for
     from .tokenized import TokenizedDataset
 
     entries = cache_entries(config, tokenizer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 def run_lm(model, tokenizer, batch_size: int, accelerator=None, max_length: int | None = None):
     from lm_eval.models.huggingface import HFLM
 
-    from ..inference import stop_token_ids
+    from ..models.inference import stop_token_ids
 
     class RunLM(HFLM):
         def _model_generate(self, context, max_length, stop, **generation_kwargs):

@@ -36,7 +36,7 @@ class EvalRequest:
 def load_model(target: EvalTarget, device=None):
     import torch
 
-    from ..inference import load_for_inference
+    from ..models.inference import load_for_inference
 
     model, tokenizer = load_for_inference(Path(target.model) if Path(target.model).exists() else target.model,
                                           device=str(device) if device is not None else None,

@@ -67,7 +67,7 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
                               "resumes training; score the run's final model instead)")
     elif (path / "train_summary.json").is_file() or (path / "progress.json").is_file():
         output_dir, step = path, _summary(path).get("global_step")
-    from ..inference import ModelDirError, base_model_of, resolve_model_dir
+    from ..models.inference import ModelDirError, base_model_of, resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(path)
@@ -95,7 +95,7 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
 
 
 def _marker(model_dir: Path) -> dict:
-    from ..output_dirs import read_marker
+    from ..run_dir.output_dirs import read_marker
 
     return read_marker(model_dir) or {}
 

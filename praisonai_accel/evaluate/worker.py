@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from ..distributed import ddp_backend_kwargs
+    from ..runtime.distributed import ddp_backend_kwargs
 
     from ..atomic import write_text_atomic
     from ..logs import show_progress_lines

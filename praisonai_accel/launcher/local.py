@@ -10,12 +10,12 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
-from ..handoff import MEMORY_NOTE_ENV, TTY_ENV, VERBOSE_ENV
+from ..runtime.handoff import MEMORY_NOTE_ENV, TTY_ENV, VERBOSE_ENV
 from .plan import LaunchPlan, write_plan_files
 
 
 def _kill_with_parent() -> None:
-    from ..distributed import die_with_parent
+    from ..runtime.distributed import die_with_parent
 
     die_with_parent()
 

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from ..models.unwrap import transformers_model
+
 
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded batch: real tokens count from 0; padding gets 0 (it is never attended)."""
@@ -92,7 +94,6 @@ def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask:
 def cache_argument(model) -> str:
     """The keyword a transformers causal LM (a PeftModel too) takes its KV cache under: transformers 5 renames
     past_key_values to cache, model by model."""
-    from .lm_loss import transformers_model
 
     return "cache" if "cache" in inspect.signature(transformers_model(model).forward).parameters else "past_key_values"
 

@@ -133,7 +133,7 @@ class GRPO(TrainingMethod):
 
     # ---------------------------------------------------------------- the module
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
-        from ..inference import stop_token_ids
+        from ..models.inference import stop_token_ids
         from .grpo_module import GRPOLoss
         from .sft import settle_chunking
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.chat_masking import IGNORE_INDEX
+from ..models.unwrap import transformers_model
 
 log = logging.getLogger("praisonai_accel")
 
@@ -211,10 +212,6 @@ def chunked_loss_sum(hidden, weight, bias, targets, softcap=None, scale=None) ->
         return _FrozenHeadCrossEntropy.apply(hidden, weight, bias, targets, softcap, scale)
     chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, softcap, scale)
-
-
-def transformers_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def vision_layer_classes(model) -> set[str]:

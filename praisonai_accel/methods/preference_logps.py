@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.chat_masking import IGNORE_INDEX
+from ..models.unwrap import transformers_model
 from .lm_loss import CHUNK_ELEMENTS, _compute_dtype, _transform, frozen_head_walk
 
 
@@ -112,8 +113,6 @@ def sequence_logps(loss_module, causal_lm, input_ids, labels, attention_mask, ch
     if not chunked:
         logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return full_logits_logps(logits, labels)
-    from .lm_loss import transformers_model
-
     base = transformers_model(causal_lm)
     decoder = getattr(base, base.base_model_prefix)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state

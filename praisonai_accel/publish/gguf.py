@@ -76,7 +76,7 @@ def _config_of(source: Path, adapter: bool, revision: str | None, trust_remote_c
         return json.loads((source / "config.json").read_text())
     from transformers import AutoConfig
 
-    from ..inference import base_model_of
+    from ..models.inference import base_model_of
 
     base = base_model_of(source)
     try:
@@ -89,8 +89,8 @@ def _config_of(source: Path, adapter: bool, revision: str | None, trust_remote_c
 def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_base: bool | None = None,
                 trust_remote_code: bool = False) -> ExportPlan:
     """Resolve the model, check methods, converter, engine, architecture and output folder; load nothing heavy."""
-    from ..inference import ModelDirError, resolve_model_dir
-    from ..output_dirs import read_marker
+    from ..models.inference import ModelDirError, resolve_model_dir
+    from ..run_dir.output_dirs import read_marker
 
     methods = quantization_methods(methods)
     try:
@@ -104,7 +104,7 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
                         "own code")
     model_config = _config_of(source, adapter, facts.get("revision"), trust_remote_code)
     if model_config.get("vision_config") is not None:
-        from ..inference import takes_images
+        from ..models.inference import takes_images
 
         images, model_type = takes_images(source, trust_remote_code)
         if images:
@@ -122,7 +122,7 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
 def check_toolchain(methods: list[str], architecture: str | None, dequantize_base: bool, out_dir: Path) -> Path:
     """The converter (returned), the engine where a method needs it, the architecture, bitsandbytes for a QLoRA
     merge, and an output folder that is ours to write into."""
-    from ..output_dirs import NotOurs, check_replaceable
+    from ..run_dir.output_dirs import NotOurs, check_replaceable
 
     converter = find_converter()
     check_engine()  # it quantizes, and checks every file's tokenizer
@@ -158,14 +158,14 @@ def merge_in_full_precision(plan: ExportPlan, target: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..inference import base_model_of
-    from ..output_dirs import read_marker
+    from ..models.inference import base_model_of
+    from ..run_dir.output_dirs import read_marker
 
     revision = (read_marker(plan.source) or {}).get("revision")
     kwargs = {"dtype": torch.float32, "revision": revision, "trust_remote_code": plan.trust_remote_code}
     base_name = base_model_of(plan.source)
     if plan.dequantize_base:
-        from ..model import _quantization_config  # the 4-bit settings training used
+        from ..models.loading import _quantization_config  # the 4-bit settings training used
 
         kwargs["quantization_config"] = _quantization_config(torch.float32)
         base = AutoModelForCausalLM.from_pretrained(base_name, **kwargs).dequantize(dtype=torch.float32)
@@ -183,7 +183,7 @@ def tokenizer_sources(plan: ExportPlan) -> list[Path]:
     """Where an original tokenizer.model may be: the trained folder, then its base model (local or in the Hub cache)."""
     if not plan.adapter:
         return [plan.source]
-    from ..inference import base_model_of
+    from ..models.inference import base_model_of
     from .ollama import _base_model_dir
 
     return [plan.source, _base_model_dir(base_model_of(plan.source))]
@@ -192,7 +192,7 @@ def tokenizer_sources(plan: ExportPlan) -> list[Path]:
 def general_name(plan: ExportPlan, model_dir: Path) -> str:
     """general.name: the base model's name and the trained folder's, e.g. Phi-3-mini-4k-instruct-lora_model."""
     from .gguf_vocab import strips_after_special_tokens
-    from ..inference import base_model_of
+    from ..models.inference import base_model_of
 
     name = f"{Path(base_model_of(plan.source)).name}-{plan.stem}" if plan.adapter else plan.stem
     if strips_after_special_tokens(model_dir) and not re.search(r"phi-?3", name, re.IGNORECASE):
@@ -244,7 +244,7 @@ def export_gguf(plan: ExportPlan, conversations: list[list[dict]] = ()) -> list[
 
 
 def _export(plan: ExportPlan, conversations: list[list[dict]]) -> list[Path]:
-    from ..output_dirs import MARKER
+    from ..run_dir.output_dirs import MARKER
     from .gguf_verify import check_tokenizer, texts_to_check
 
     work = Path(tempfile.mkdtemp(prefix=".gguf-work-", dir=plan.out_dir))

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import __version__
 from ..config import ConfigError, TrainConfig
 from ..errors import first_line
-from ..output_dirs import MARKER as OUTPUT_MARKER
+from ..run_dir.output_dirs import MARKER as OUTPUT_MARKER
 
 log = logging.getLogger("praisonai_accel")
 

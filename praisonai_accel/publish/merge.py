@@ -7,8 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..inference import ModelDirError, load_for_inference, resolve_model_dir
-from ..output_dirs import NotOurs, check_replaceable, read_marker, replace_with
+from ..models.inference import ModelDirError, load_for_inference, resolve_model_dir
+from ..run_dir.output_dirs import NotOurs, check_replaceable, read_marker, replace_with
 
 
 def merge_adapter(path: Path, target: Path, force: bool = False, trust_remote_code: bool = False) -> Path:

@@ -95,7 +95,7 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
     """How to build the Ollama model from a trained adapter dir (FROM base + ADAPTER) or a merged model dir."""
     from transformers import AutoTokenizer
 
-    from ..inference import takes_images
+    from ..models.inference import takes_images
     from .gguf_llamacpp import vision_refusal
 
     source = Path(adapter_or_model)

@@ -73,7 +73,7 @@ def vllm_launch(target: Target, host: str, port: int, api_key: str | None) -> La
     """vLLM's OpenAI server: a full model as it is, an adapter on its base with --enable-lora (no merge), the
     tokenizer (and so the chat template) of the run's directory, and a generation config that stops at its end of
     turn (model_view)."""
-    from ..inference import base_model_of
+    from ..models.inference import base_model_of
     from .model_view import make_view
 
     folder, view = make_view(target.model_dir, target.name)

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..output_dirs import MARKER, read_marker
+from ..run_dir.output_dirs import MARKER, read_marker
 from .target import ServeError
 
 log = logging.getLogger("praisonai_accel")
@@ -45,7 +45,7 @@ def adapter_hash(adapter_dir: Path) -> str:
 
 def merged_model(adapter_dir: Path, trust_remote_code: bool = False) -> tuple[Path, bool]:
     """(the merged model directory in the cache, whether an earlier merge was reused)."""
-    from ..inference import ModelDirError
+    from ..models.inference import ModelDirError
     from ..publish.merge import merge_adapter
 
     target = cache_root() / "merged" / adapter_hash(adapter_dir)[:24]
@@ -63,7 +63,7 @@ def generation_config_of(model_dir: Path, trust_remote_code: bool = False):
     """The directory's generation_config.json, else one from its config (an adapter's: its base model's)."""
     from transformers import GenerationConfig
 
-    from ..inference import model_config_of
+    from ..models.inference import model_config_of
 
     try:
         return GenerationConfig.from_pretrained(str(model_dir))
@@ -78,7 +78,7 @@ def stop_ids(model_dir: Path, trust_remote_code: bool = False) -> list[int]:
 
     from transformers import AutoTokenizer
 
-    from ..inference import is_processor, stop_token_ids, takes_images
+    from ..models.inference import is_processor, stop_token_ids, takes_images
 
     generation = generation_config_of(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

@@ -99,7 +99,7 @@ def require_engine(engine: str) -> None:
 
 def resolve_target(path: Path, engine: str = "auto", name: str | None = None, quantization: str | None = None) -> Target:
     """The model to serve and its engine, every refusal one line; nothing is loaded."""
-    from ..inference import ModelDirError, resolve_model_dir
+    from ..models.inference import ModelDirError, resolve_model_dir
 
     if engine not in ENGINES:
         raise ServeError(f"--engine '{engine}': use one of {', '.join(ENGINES)}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..checks import deepspeed_rule, reentrant_rule
 from ..config import ConfigError, TrainConfig
-from ..distributed import attempt_id, ddp_backend_kwargs, fsdp_requested, resolve_mixed_precision
+from ..runtime.distributed import attempt_id, ddp_backend_kwargs, fsdp_requested, resolve_mixed_precision
 
 log = logging.getLogger("praisonai_accel")
 

@@ -7,7 +7,7 @@ import errno
 import os
 from pathlib import Path
 
-from ..distributed import attempt_id
+from ..runtime.distributed import attempt_id
 from ..errors import first_line
 
 # Errors a rank sees when another rank has already died: its own line would only mislead.

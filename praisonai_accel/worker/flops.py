@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..methods.lm_loss import transformers_model
+from ..models.unwrap import transformers_model
 
 
 @dataclass(frozen=True)

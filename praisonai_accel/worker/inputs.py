@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
 from ..data import LengthGroupedSampler, cache_dir, load_datasets, report_stats, wait_for_cache
-from ..distributed import attempt_id
+from ..runtime.distributed import attempt_id
 from ..errors import first_line
-from ..handoff import PREPROCESSING_ENV, wait_for_launcher
+from ..runtime.handoff import PREPROCESSING_ENV, wait_for_launcher
 
 log = logging.getLogger("praisonai_accel")
 

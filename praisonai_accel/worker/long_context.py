@@ -21,7 +21,7 @@ def start_groups(config: TrainConfig):
     calls it at the same point: creating the groups is a collective."""
     if config.sequence_parallel_size <= 1:
         return None
-    from ..sequence_parallel import SequenceParallel
+    from ..models.sequence_parallel import SequenceParallel
 
     sp, _layout = SequenceParallel.setup(config.sequence_parallel_size)
     return sp
@@ -37,7 +37,7 @@ def apply_to_model(config: TrainConfig, model, sp, pad_token_id: int | None) -> 
         log.info("sequence parallel: %d ranks share every row (%d group(s)); this rank holds slice %d of %d",
                  sp.size, layout.dp_size, layout.sp_rank + 1, sp.size)
     if config.tiled_mlp:
-        from ..tiled_mlp import apply_tiled_mlp
+        from ..models.tiled_mlp import apply_tiled_mlp
 
         count = apply_tiled_mlp(model, config.tiled_mlp_shards)
         log.info("tiled MLP: %d decoder MLP(s) over %s", count,
@@ -49,7 +49,7 @@ def prepare(accelerator, loss_module, optimizer, loader, sp):
     a group get the same rows."""
     if sp is None:
         return accelerator.prepare(loss_module, optimizer, loader)
-    from ..sequence_parallel import prepare_loader
+    from ..models.sequence_parallel import prepare_loader
     from .accelerator import track_loader
 
     module, optimizer = accelerator.prepare(loss_module, optimizer)

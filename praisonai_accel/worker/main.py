@@ -16,9 +16,9 @@ from pathlib import Path
 
 from ..config import ConfigError, load_config
 from ..data import DataError
-from ..distributed import DistEnv, die_with_parent
+from ..runtime.distributed import DistEnv, die_with_parent
 from ..errors import first_line
-from ..handoff import VERBOSE_ENV, HandoffFailed
+from ..runtime.handoff import VERBOSE_ENV, HandoffFailed
 from ..logs import FILE_ONLY, console_logging, log_to_file
 from .failures import PEER_GONE, explain, first_to_report
 
@@ -85,7 +85,7 @@ def _exit_codes(config):
 
 
 def _message(exc: BaseException, config, env: DistEnv | None = None) -> str:
-    from .checkpoint import latest_complete
+    from ..run_dir.checkpoints import latest_complete
     from .failures import Preempted
 
     if isinstance(exc, KeyboardInterrupt):  # before training began: only an earlier attempt's checkpoint is there
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if env.local_rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT_CODE
-    from ..run_lock import RunLocked, lock_for_worker
+    from ..run_dir.lock import RunLocked, lock_for_worker
 
     try:
         lock_for_worker(config.output_path(), env.rank)  # started without the launcher: rank 0 holds output_dir
@@ -227,7 +227,7 @@ def exit_now(code: int) -> None:
     """Leave without interpreter teardown once everything is written and flushed. Under DDP, gloo's threads
     can call std::terminate there ("terminate called without an active exception"), turning a finished run
     into SIGABRT; and tearing down torch, transformers and their modules takes more than a second on its own."""
-    from ..run_lock import release_worker_lock
+    from ..run_dir.lock import release_worker_lock
 
     release_worker_lock()
     logging.shutdown()

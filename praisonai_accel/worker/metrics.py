@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import os
@@ -12,22 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..distributed import TTY_ENV
+from ..runtime.handoff import TTY_ENV
 from ..logs import end_status_line, start_status_line
+from ..run_dir.metrics import headline_names
 
 log = logging.getLogger("praisonai_accel")
 TRACKED = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_second", "step_seconds", "padding_fraction",
            "model_tflops_per_second")
-
-
-def headline_names(patterns, keys) -> list[str]:
-    """The metrics a method declares as its headline (methods' `headline_metrics`, shell-style patterns such as
-    rewards/*/mean), in the order declared, among `keys`."""
-    keys = [k for k in keys if not k.startswith("eval_")]
-    names: list[str] = []
-    for pattern in patterns:
-        names += [k for k in sorted(keys) if fnmatch.fnmatchcase(k, pattern) and k not in names]
-    return names
 
 
 def short_name(name: str) -> str:
@@ -39,18 +29,6 @@ def _number(value) -> str:
     if not isinstance(value, float):
         return str(value)
     return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl, skipping a last line cut short by a kill."""
-    records = []
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
 
 
 @dataclass

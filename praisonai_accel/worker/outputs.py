@@ -12,9 +12,10 @@ from pathlib import Path
 from ..atomic import write_json_atomic
 from ..config import ConfigError, TrainConfig
 from ..data.processor_files import save_processing
-from ..output_dirs import NotOurs, replace_with
+from ..run_dir.output_dirs import NotOurs, replace_with
 from . import checkpoint as ckpt
-from .metrics import read_metrics
+from ..run_dir import checkpoints as ckpt_dir
+from ..run_dir.metrics import read_metrics
 
 log = logging.getLogger("praisonai_accel")
 
@@ -95,7 +96,8 @@ def record_end(output_dir: Path, status: str, exit_code: int, replaces: tuple[st
 def end_summary(summary: dict, metrics, adapter: bool, resumed_from: Path | None) -> list[str]:
     """The few lines a run ends with: time, loss and the headline metrics first -> last, evaluation, best
     checkpoint, where the model is. `metrics`: the run's MetricsLogger (this attempt's first and last records)."""
-    from .metrics import headline_names, short_name
+    from .metrics import short_name
+    from ..run_dir.metrics import headline_names
 
     seconds = summary.get("train_seconds") or 0
     minutes, secs = divmod(int(seconds), 60)
@@ -139,8 +141,8 @@ def clean_up_interrupted_saves(config: TrainConfig, resuming: bool) -> None:
     unless overwrite_output_dir says to start over)."""
     output_dir = config.output_path()
     if config.overwrite_output_dir and not resuming:
-        ckpt.clear_checkpoints(output_dir)
-    ckpt.remove_stale_temporaries(output_dir)
+        ckpt_dir.clear_checkpoints(output_dir)
+    ckpt_dir.remove_stale_temporaries(output_dir)
     remove_stale_push_snapshots(output_dir)
 
 
@@ -148,7 +150,7 @@ def write_summary(summary: dict, output_dir: Path, plot_loss: bool) -> None:
     """train_summary.json and, if asked, loss.png (rank 0 calls this)."""
     write_json_atomic(summary, output_dir / "train_summary.json")
     if plot_loss:
-        from ..report import write_loss_plot
+        from ..run_dir.report import write_loss_plot
 
         plot = write_loss_plot(output_dir)
         if plot is not None:

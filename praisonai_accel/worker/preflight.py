@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
-from ..distributed import attempt_id
+from ..runtime.distributed import attempt_id
 
 log = logging.getLogger("praisonai_accel")
 

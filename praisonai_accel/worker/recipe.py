@@ -22,16 +22,17 @@ from typing import Iterator
 from ..checks import final_model_dir_rule, method_rule, sequence_parallel_rule, vision_rule
 from ..config import ConfigError, TrainConfig
 from ..data.vision_processor import declares_images
-from ..distributed import DistEnv, fsdp_requested, gpu_has_bf16
-from ..handoff import VERBOSE_ENV
+from ..runtime.distributed import DistEnv, fsdp_requested, gpu_has_bf16
+from ..runtime.handoff import VERBOSE_ENV
 from ..logs import quiet_libraries
 from ..methods import method_for
-from ..model import (
+from ..models.loading import (
     choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
     uses_reentrant_checkpointing,
 )
 from ..publish.hub import model_card
 from . import checkpoint as ckpt
+from ..run_dir import checkpoints as ckpt_dir
 from . import outputs, resume
 from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, run_context, start_trackers, track_loader
 from .evaluation import evaluate, record_evaluation
@@ -80,7 +81,7 @@ class Recipe:
         self.flop_counts = None
         self.parameter_bytes = 0  # this rank's share: 1/N of each layer under FSDP
         self.steps_per_epoch = self.total_steps = 0
-        self.state: ckpt.CheckpointState | None = None
+        self.state: ckpt_dir.CheckpointState | None = None
         self.metrics: MetricsLogger | None = None
         self._rng_to_reapply: Path | None = None  # set when resuming mid-epoch, see _epoch_batches
 
@@ -306,14 +307,14 @@ class Recipe:
                 raise
             tmp = self.output_dir / f"checkpoint-{self.state.global_step}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            latest = ckpt.latest_complete(self.output_dir, warn=False)
+            latest = ckpt_dir.latest_complete(self.output_dir, warn=False)
             raise DiskFull(f"no space left on device while saving checkpoint-{self.state.global_step}; the latest "
                            f"complete checkpoint is {latest.name if latest else 'none'}; free space in "
                            f"{self.output_dir} and re-run the same command to resume") from None
         self.metrics.log_event({"step": self.state.global_step, "checkpoint": path.name,
                                 "save_seconds": time.perf_counter() - started, "time": time.time()})
         if self.accelerator.is_main_process:
-            deleted = ckpt.rotate(self.output_dir, config.save_total_limit, self.state.best_checkpoint)
+            deleted = ckpt_dir.rotate(self.output_dir, config.save_total_limit, self.state.best_checkpoint)
             for old in deleted:
                 log.info("deleted old checkpoint %s", old.name)
             if self.publisher is not None:
@@ -340,7 +341,7 @@ class Recipe:
         accelerator, config, state = self.accelerator, self.config, self.state
         if config.load_best_model_at_end and state.best_checkpoint:
             best = self.output_dir / state.best_checkpoint
-            if ckpt.is_complete(best):
+            if ckpt_dir.is_complete(best):
                 ckpt.load_state(accelerator, best, self.model, self.optimizer, self.scheduler)
                 log.info("loaded best checkpoint %s (%s %.4f)", best.name, config.metric_for_best_model, state.best_metric)
         final_dir = config.final_model_path()

@@ -10,8 +10,9 @@ from pathlib import Path
 from ..checks import resume_rule
 from ..config import ConfigError
 from . import checkpoint as ckpt
+from ..run_dir import checkpoints as ckpt_dir
 from . import outputs
-from .checkpoint_manifest import decided_on_main_process, set_aside_skipped
+from ..run_dir.manifest import decided_on_main_process, set_aside_skipped
 
 log = logging.getLogger("praisonai_accel")
 
@@ -34,8 +35,8 @@ def find_resume_point(accelerator, config) -> ResumePoint:
     return ResumePoint(resume_from, resume_skip, warning)
 
 
-def fresh_state(config, data_parallel: int, model_commit: str | None) -> ckpt.CheckpointState:
-    return ckpt.CheckpointState(
+def fresh_state(config, data_parallel: int, model_commit: str | None) -> ckpt_dir.CheckpointState:
+    return ckpt_dir.CheckpointState(
         global_step=0, epoch=0, batches_in_epoch=0, samples_in_epoch=0, samples_seen=0,
         world_size=data_parallel, per_device_train_batch_size=config.per_device_train_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -44,13 +45,13 @@ def fresh_state(config, data_parallel: int, model_commit: str | None) -> ckpt.Ch
     )
 
 
-def load_checkpoint(point: ResumePoint, accelerator, config, prepared: tuple, method, fresh: ckpt.CheckpointState
-                    ) -> tuple[ckpt.CheckpointState, Path | None]:
+def load_checkpoint(point: ResumePoint, accelerator, config, prepared: tuple, method, fresh: ckpt_dir.CheckpointState
+                    ) -> tuple[ckpt_dir.CheckpointState, Path | None]:
     """Load the checkpoint at `point` into the `prepared` (model, optimizer, scheduler) and the training method.
     `fresh`: the state this run would start from (its layout, fingerprints and model commit). Returns (the run's
     state, the checkpoint whose RNG state the first epoch re-applies once its iterator has started, or None)."""
     path, model_commit = point.path, fresh.model_commit
-    saved = ckpt.CheckpointState.read(path)
+    saved = ckpt_dir.CheckpointState.read(path)
     if saved.model_commit and model_commit and saved.model_commit != model_commit:
         raise ConfigError(f"revision: {config.model_name} now resolves to commit {model_commit}, but "
                           f"{path.name} was trained on {saved.model_commit}; set revision: {saved.model_commit} to resume")
@@ -61,7 +62,7 @@ def load_checkpoint(point: ResumePoint, accelerator, config, prepared: tuple, me
         log.warning(point.warning)
     ckpt.load_state(accelerator, path, *prepared)
     method.load_state(path, accelerator, saved.global_step)
-    accelerator.project_configuration.iteration = len(ckpt.complete_checkpoints(config.output_path()))
+    accelerator.project_configuration.iteration = len(ckpt_dir.complete_checkpoints(config.output_path()))
     state = saved
     state.batches_in_epoch = point.skip
     for key in ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "config_fingerprint",

@@ -15,12 +15,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .config_errors import describe_errors
-from .config_keys import (CheckpointKeys, DataKeys, DatasetSpec, EvalKeys, FinetuneKeys, GGUFKeys,
+from .mistakes import describe_errors
+from .keys import (CheckpointKeys, DataKeys, DatasetSpec, EvalKeys, FinetuneKeys, GGUFKeys,
                           LossAndLengthKeys, ModelKeys, OptimizerKeys, OutputKeys, ProcessKeys, PublishKeys)
-from .config_method import MethodChoice, config_model
-from .config_vision import VisionKeys
-from .errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
+from .method import MethodChoice, config_model
+from .vision import VisionKeys
+from ..errors import ConfigError  # noqa: F401  (raised here; imported from here by most modules)
 
 # Local data files by extension, and the datasets loader that reads them (checked by the CLI before launch).
 LOCAL_DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}

@@ -12,15 +12,20 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .checks import device_map_rule
-from .config import ConfigError
+from ..config import MULTI_DEVICE_MAPS, ConfigError
 
 UNSLOTH_DDP_FLAG = "UNSLOTH_USE_NEW_MODEL"
-VERBOSE_ENV = "PRAISONAI_ACCEL_VERBOSE"  # train --verbose: libraries' own output is shown
-TTY_ENV = "PRAISONAI_ACCEL_TTY"  # the user's console is a terminal, though a launcher pipes the workers' stderr
 # transformers' ddp_backend: gloo lets several ranks share one GPU (NCCL refuses two ranks on one device)
 DDP_BACKEND_ENV = "PRAISONAI_ACCEL_DDP_BACKEND"
 DDP_BACKENDS = ("nccl", "gloo")
+
+
+def device_map_rule(device_map, num_processes: int) -> None:
+    """One model spread over several GPUs cannot also be replicated by DDP."""
+    if num_processes > 1 and isinstance(device_map, str) and device_map in MULTI_DEVICE_MAPS:
+        raise ConfigError(
+            f"device_map: '{device_map}' spreads one model over several GPUs and cannot be used with "
+            f"{num_processes} DDP processes; remove device_map to load the full model on each rank's GPU")
 
 
 @dataclass(frozen=True)

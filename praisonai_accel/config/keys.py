@@ -1,7 +1,7 @@
 """config.yaml's keys, each described on its field: one class per group, composed into TrainConfig (config.py).
 
 The descriptions are data: `praisonai-accel config schema` writes them into a JSON Schema, and docs/reference.md is
-generated from it (config_schema.py). A group's docstring's first line is its title there.
+generated from it (commands/_schema.py). A group's docstring's first line is its title there.
 """
 
 from __future__ import annotations

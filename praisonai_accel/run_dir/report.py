@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import atomic_path
-from .worker import checkpoint as ckpt
-from .worker.metrics import headline_names, read_metrics
+from ..atomic import atomic_path
+from . import checkpoints as ckpt_dir
+from .metrics import headline_names, read_metrics
 
 log = logging.getLogger("praisonai_accel")
 PLOT_NAME = "loss.png"
@@ -60,7 +60,9 @@ class RunReport:
         ]
 
 
-def read_run(output_dir: Path) -> RunReport:
+def read_run(output_dir: Path, method_rows=None) -> RunReport:
+    """`method_rows(progress, records)`: the rows the run's training method adds (the report command asks the
+    method registry, a room above this one)."""
     output_dir = Path(output_dir)
     records = read_metrics(output_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
@@ -69,7 +71,7 @@ def read_run(output_dir: Path) -> RunReport:
     summary = _read_json(output_dir / "train_summary.json")
     speeds = sorted(r["tokens_per_second"] for r in steps if r.get("tokens_per_second"))
     done = steps[-1]["step"] if steps else 0
-    checkpoints = [p.name for p in ckpt.complete_checkpoints(output_dir)]
+    checkpoints = [p.name for p in ckpt_dir.complete_checkpoints(output_dir)]
     final = summary.get("final_model_dir") or progress.get("final_model_dir")
     final_dir = Path(final) if final and Path(final).is_dir() else None
     return RunReport(
@@ -86,7 +88,7 @@ def read_run(output_dir: Path) -> RunReport:
         adapter=str(final_dir) if final_dir else None,
         headline=_headline(steps, progress),
         full_model=final_dir is not None and not (final_dir / "adapter_config.json").is_file(),
-        method_rows=_method_rows(progress, records),
+        method_rows=method_rows(progress, records) if method_rows else [],
     )
 
 
@@ -162,20 +164,6 @@ def _headline(steps: list[dict], progress: dict) -> dict[str, tuple[float, float
         if values:
             out[name] = (values[0], values[-1])
     return out
-
-
-def _method_rows(progress: dict, records: list[dict]) -> list[tuple[str, str]]:
-    """The rows the run's training method adds (progress.json names it); none when it cannot be found here."""
-    from .methods.registry import method_class
-
-    if not progress.get("method"):
-        return []  # a run from before progress.json named its method
-    try:
-        method = method_class(progress["method"], progress.get("config_dir"))
-    except ValueError as exc:
-        log.warning("warning: %s; the report shows no rows of the method", exc)
-        return []
-    return method.report_rows(records)
 
 
 def _read_json(path: Path) -> dict:

@@ -5,7 +5,7 @@ Reads the same cache training reads (tokenizing first if needed), so what is sho
 
 from __future__ import annotations
 
-from .data import IGNORE_INDEX
+from ..data import IGNORE_INDEX
 
 OPEN, CLOSE = "[[", "]]"  # trained spans when the output is not a terminal
 
@@ -43,13 +43,13 @@ def marked_text(tokenizer, input_ids, labels, colour: bool, images=()) -> str:
 
 def image_marks(tokenizer, row) -> list[tuple[int, int, str]]:
     """Where each image of an example with images goes (methods/vision_rows.image_spans); none for text."""
-    from .data.vision_processor import processor_of
+    from ..data.vision_processor import processor_of
 
     processor = processor_of(tokenizer)
     if processor is None or "images" not in row:
         return []
-    from .data.images import decode_references
-    from .methods.vision_rows import image_spans
+    from ..data.images import decode_references
+    from ..methods.vision_rows import image_spans
 
     return image_spans(processor, [int(i) for i in row["input_ids"]], decode_references(row["images"]))
 

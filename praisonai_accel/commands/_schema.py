@@ -1,6 +1,6 @@
 """config.yaml described as data: its JSON Schema (for editors) and the reference page rendered from it.
 
-Both come from TrainConfig's fields and their descriptions (config_keys.py, `method:` and the vision keys) and from
+Both come from TrainConfig's fields and their descriptions (config/keys.py, `method:` and the vision keys) and from
 each built-in method's own keys (methods/registry.BUILTINS, the `keys` model each method class declares), so neither
 can drift from what load_config accepts.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import __version__
-from .config import KEY_ALIASES, DatasetSpec, TrainConfig
-from .methods.registry import builtin_methods
+from .. import __version__
+from ..config import KEY_ALIASES, DatasetSpec, TrainConfig
+from ..methods.registry import builtin_methods
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 SCHEMA_ID = "urn:praisonai-accel:config.yaml"
@@ -129,7 +129,7 @@ def _groups(model) -> list[tuple[type, list[str]]]:
     for name in model.model_fields:
         owner = next(c for c in reversed(model.__mro__) if name in getattr(c, "model_fields", {}))
         owners.setdefault(owner, []).append(name)
-    core = [g for g in owners.items() if g[0].__module__.endswith(".config_keys")]
+    core = [g for g in owners.items() if g[0].__module__.endswith(".config.keys")]
     return core + [g for g in owners.items() if g not in core]
 
 

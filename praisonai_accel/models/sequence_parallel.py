@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data.chat_masking import IGNORE_INDEX
-from .config import ConfigError
-from .methods.lm_loss import transformers_model
+from ..data.chat_masking import IGNORE_INDEX
+from ..config import ConfigError
+from .unwrap import transformers_model
 
 # The attention implementations this wraps, and the names the wrappers are registered under.
 WRAPPED = {"sdpa": "ulysses_sdpa", "eager": "ulysses_eager"}

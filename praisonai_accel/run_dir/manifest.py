@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..handoff import CHECKED_CHECKPOINTS_ENV
+from ..runtime.handoff import CHECKED_CHECKPOINTS_ENV
 
 MANIFEST = "MANIFEST.json"
 _CHUNK = 8 << 20

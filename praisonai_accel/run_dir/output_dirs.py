@@ -11,8 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
-from . import __version__
-from .config import ConfigError
+from .. import __version__
+from ..config import ConfigError
 
 MARKER = ".praisonai-accel.json"  # not pushed to the Hub (hub.CHECKPOINT_IGNORE)
 

@@ -59,7 +59,7 @@ def config_model(base: type, data: dict, config_dir: str | None) -> tuple[type, 
     """(TrainConfig composed with the keys of data["method"]'s class, data without keys another method declares at
     their default: a config dumped by another version or method reads back). ValueError (one line) for a method
     that names no class, or a key written for another method."""
-    from .methods.registry import method_class, owners_of
+    from ..methods.registry import method_class, owners_of
 
     name = data.get("method", base.model_fields["method"].default)
     if not isinstance(name, str):
@@ -86,8 +86,8 @@ def composed(base: type, method: type) -> type:
 
 
 def _unpickle(method: str, config_dir: str | None, state: dict):
-    from .config import TrainConfig
-    from .methods.registry import method_class
+    from . import TrainConfig
+    from ..methods.registry import method_class
 
     model = composed(TrainConfig, method_class(method, config_dir))
     config = model.__new__(model)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, TrainConfig
-from .errors import first_line
-from .data import ensure_chat_template, load_tokenizer
-from .data.vision_processor import declares_images, is_vision_checkpoint
-from .distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
+from ..config import ConfigError, TrainConfig
+from ..errors import first_line
+from ..data import ensure_chat_template, load_tokenizer
+from ..data.vision_processor import declares_images, is_vision_checkpoint
+from ..runtime.distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (methods/base.py): a reward model
 
@@ -146,7 +146,7 @@ def vision_quantization_skips(config: TrainConfig) -> list[str]:
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from .vision_model import unquantized_modules
+    from .vision import unquantized_modules
 
     model_config = AutoConfig.from_pretrained(config.model_name, revision=config.revision,
                                               trust_remote_code=config.trust_remote_code)
@@ -171,7 +171,7 @@ def _quantization_config(compute_dtype, skip_modules: list[str] | None = None):
 def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
-    from . import vision_model
+    from . import vision as vision_model
 
     vision = is_vision_checkpoint(config)
 

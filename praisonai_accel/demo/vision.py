@@ -249,7 +249,7 @@ def shape_splits(image_dir: Path, train: int = 256, held_out: int = 64, seed: in
 def prompt_messages(record: dict) -> list[dict]:
     """The user turn of a record in TRL's vision format: an image part, then the question (as inference places
     the images of a prompt)."""
-    from .inference import vision_messages
+    from ..models.inference import vision_messages
 
     return vision_messages([{"role": "user", "content": record["question"]}], 1)
 
@@ -272,7 +272,7 @@ def held_out_answers(model, processor, records: list[dict], image_root: Path, ma
                      batch_size: int = 32) -> list[str]:
     """Greedy answers to every record's question about its image, in left-padded batches
     (inference.generate_batch: what `generate --image` runs, a batch at a time)."""
-    from .inference import generate_batch, read_image
+    from ..models.inference import generate_batch, read_image
 
     answers: list[str] = []
     for start in range(0, len(records), batch_size):

@@ -139,7 +139,7 @@ def held_out_answers(model, tokenizer, records: list[dict], max_new_tokens: int 
     """Greedy answers to every record's prompt, in one left-padded batch."""
     import torch
 
-    from .inference import stop_token_ids
+    from ..models.inference import stop_token_ids
 
     prompts = [tokenizer.apply_chat_template(demo_prompt(r), tokenize=False, add_generation_prompt=True) for r in records]
     tokenizer.padding_side = "left"

@@ -20,7 +20,7 @@ import types
 import torch
 from torch import nn
 
-from .methods.lm_loss import transformers_model
+from .unwrap import transformers_model
 
 
 def _autocast_state(device_type: str):

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from .handoff import RUN_LOCK_ENV
+from ..runtime.handoff import RUN_LOCK_ENV
 
 LOCK_NAME = "run.lock"
 

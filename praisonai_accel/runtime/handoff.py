@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from .atomic import write_json_atomic
+from ..atomic import write_json_atomic
 
 VERBOSE_ENV = "PRAISONAI_ACCEL_VERBOSE"  # train --verbose: the libraries' own output is shown
 TTY_ENV = "PRAISONAI_ACCEL_TTY"  # the user's console is a terminal, though the launcher pipes the workers' stderr

@@ -1,0 +1,1 @@
+"""The demos' tasks and tiny models."""

@@ -36,9 +36,11 @@ def best_model_metric(config) -> str:
     name = config.metric_for_best_model
     name = name if name.startswith("eval_") else f"eval_{name}"
     known = ("eval_loss",) + tuple(f"eval_{m}" for m in METRICS_BY_METHOD[config.method])
-    if name not in known:
+    # an eval_tasks score, eval_<task>/<metric>: its metric is checked before launch, once the task is built
+    tasks = tuple(f"eval_{task}/" for task in getattr(config, "eval_tasks", None) or ())
+    if name not in known and not (tasks and name.startswith(tasks)):
         raise ValueError(f"metric_for_best_model: {config.metric_for_best_model!r} is not a metric method: "
-                         f"{config.method} logs; use one of {', '.join(known)}")
+                         f"{config.method} logs; use one of {', '.join(known + tuple(t + '<metric>' for t in tasks))}")
     return name
 
 

@@ -14,7 +14,7 @@ from ._common import fail
 
 
 def eval_command(
-    target: str = typer.Argument(..., help="a run's output_dir, a checkpoint-<step> directory, a model directory or a Hub id"),
+    target: Optional[str] = typer.Argument(None, help="a run's output_dir, a checkpoint-<step> directory, a model directory or a Hub id (none with --endpoint)"),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval task names, comma-separated (its own, or YAML tasks under --include-path)"),
     include_path: Optional[Path] = typer.Option(None, "--include-path", help="a directory of lm-eval YAML tasks"),
     num_processes: Optional[int] = typer.Option(None, "--num-processes", min=1, help="ranks that share the requests (GPUs, or CPU processes with --cpu)"),
@@ -36,6 +36,9 @@ def eval_command(
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="sampling temperature with --num-samples > 1"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="the longest completion for --reward-funcs"),
     seed: int = typer.Option(0, "--seed", help="the seed of sampled completions (the same for base and tuned)"),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="score a served model instead of TARGET: the /v1 base URL `serve` printed (any OpenAI-compatible server)"),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="the model name the endpoint serves (default: the first it lists)"),
+    completions: bool = typer.Option(False, "--completions", help="with --endpoint: lm-eval's local-completions (plain prompts, log-probabilities) instead of local-chat-completions"),
 ) -> None:
     """Score a model on lm-eval tasks and/or the user's reward functions; with --base, base against tuned with the
     change and a paired test."""
@@ -48,6 +51,10 @@ def eval_command(
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
     entries = reward_entries(reward_funcs or [], reward_model)
+    if endpoint is not None or target is None:
+        return _eval_endpoint(target, endpoint, model_name, completions, tasks, include_path, limit, num_fewshot,
+                              batch_size, log_samples, output, base or bool(max_regression), entries,
+                              num_processes or gpus)
     if bool(entries) != (prompts is not None):
         fail("--prompts: needs --reward-funcs or --reward-model" if prompts else
              "--reward-funcs: needs --prompts FILE.jsonl (the prompts whose completions are scored)")
@@ -88,6 +95,49 @@ def eval_command(
         typer.echo(f"regression: {line}", err=True)
     if failed:
         raise typer.Exit(1)
+
+
+def _eval_endpoint(target, url, model_name, completions, tasks, include_path, limit, num_fewshot, batch_size,
+                   log_samples, output, base, entries, processes) -> None:
+    """--endpoint: lm-eval's API model against the served URL, in this process (the server holds the model)."""
+    from ..evaluate.compare import render, rows
+    from ..evaluate.endpoint import check_task_types, endpoint, score_endpoint, served_model_name
+    from ..evaluate.results import default_path, write_results
+    from ..evaluate.score import EvalRequest
+    from ..evaluate.targets import EvalTarget
+    from ..evaluate.tasks import build_tasks, check_include_path, import_lm_eval, parse_task_names
+
+    if url is None:
+        fail("TARGET: name a run, checkpoint or model to score (or --endpoint URL for a served one)")
+    if target is not None:
+        fail(f"--endpoint: scores the served model; drop TARGET {target}")
+    for given, option in ((base, "--base / --max-regression"), (entries, "--reward-funcs"),
+                          (processes, "--num-processes / --gpus")):
+        if given:
+            fail(f"{option}: not with --endpoint (one served model, scored in this process)")
+    if not tasks:
+        fail("--endpoint: name the tasks to score with --tasks")
+    names = parse_task_names(tasks)
+    import_lm_eval()
+    check_include_path(include_path)
+    model = endpoint(url, "model", completions, None)  # the URL checked before the server is asked anything
+    manager, task_dict = build_tasks(names, include_path)
+    check_task_types(task_dict, completions)
+    name = model_name or served_model_name(url)
+    model = endpoint(url, name, completions, None)
+
+    request = EvalRequest(EvalTarget(url, name, False, None, None, None, False), names,
+                          str(include_path.resolve()) if include_path else None, limit, num_fewshot, batch_size,
+                          model.apply_chat_template, log_samples)
+    scored = score_endpoint(model, request, manager)
+    table = rows(scored["tuned"])
+    path = output or default_path(None)
+    described = {"target": url, "model": name, "adapter": None, "checkpoint_step": None, "config_sha256": None,
+                 "endpoint": {"base_url": url, "lm_eval_model": model.model}}
+    options = {k: v for k, v in json.loads(request.to_json()).items() if k != "target"}
+    write_results(path, described, {**options, "target": url}, scored, [r.as_dict() for r in table])
+    render(table, f"{name} at {url}")
+    typer.echo(f"results: {path}", err=True)
 
 
 def _score_rewards(target, functions, prompts, num_samples, max_new_tokens, temperature, batch_size, base, seed, cpu,

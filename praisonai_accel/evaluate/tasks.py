@@ -72,13 +72,13 @@ def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, st
 
 def task_metrics(task_dict) -> dict[str, list[str]]:
     """{task: its metric names (without lm-eval's filter)} of a built task dict, groups opened."""
-    return {task.config.task: list(task.aggregation()) for task in _leaves(task_dict)}
+    return {task.config.task: list(task.aggregation()) for task in leaf_tasks(task_dict)}
 
 
-def _leaves(task_dict):
+def leaf_tasks(task_dict):
     for value in task_dict.values():
         if isinstance(value, dict):
-            yield from _leaves(value)
+            yield from leaf_tasks(value)
         elif hasattr(value, "aggregation"):
             yield value
 

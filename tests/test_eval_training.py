@@ -83,6 +83,9 @@ def test_best_checkpoint_follows_the_task_score_not_the_eval_loss(red_run):
     assert summary["best_checkpoint"] == f"checkpoint-{by_task}"
     assert summary["best_metric"] == pytest.approx(min(scores))
     assert "eval_likes_red/perplexity" in result.stderr  # the console line of each evaluation
+    assert summary["eval_scores"] == {"eval_likes_red/perplexity": scores[-1]} and summary["eval_scores_step"] == 24
+    card = (out / "model" / "README.md").read_text()  # the model card carries the run's latest task scores
+    assert "## Evaluation" in card and f"| eval_likes_red/perplexity | {scores[-1]:.4f} |" in card
 
 
 def test_task_scores_are_lm_evals_own_on_the_final_model(red_run, tmp_path):

@@ -30,6 +30,7 @@ from ..model import (
     choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
     uses_reentrant_checkpointing,
 )
+from ..evaluate.results import latest_eval
 from ..publish.hub import model_card
 from . import checkpoint as ckpt
 from . import outputs, resume
@@ -45,7 +46,7 @@ from .preflight import run_preflight
 from .sharded_state import parameter_bytes, reshard
 from .step import micro_batch_groups, optimizer_step, repeated_groups
 from .stop import StopSignals
-from .task_eval import TaskEvaluation
+from .task_eval import TaskEvaluation, task_summary
 from .watchdog import Watchdog
 
 log = logging.getLogger("praisonai_accel")
@@ -362,9 +363,9 @@ class Recipe:
             "preprocess_cached": self.preprocess["cached"],
             "revision": config.revision,
             "model_commit": self.model_commit,
-            "eval_tasks": config.eval_tasks,
+            **task_summary(config, self.metrics),
         }
-        outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary))
+        outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary, latest_eval(self.output_dir)))
         if self.publisher is not None:
             self.publisher.on_final(final_dir)
         digests = gather_object([outputs.parameter_digest(accelerator.unwrap_model(self.model))])

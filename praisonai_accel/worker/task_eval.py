@@ -58,3 +58,15 @@ class TaskEvaluation:
         if accelerator.num_processes > 1:
             broadcast_object_list(found, from_process=0)
         return found[0]
+
+
+def task_summary(config: TrainConfig, metrics) -> dict:
+    """What train_summary.json (and the model card) keep of eval_tasks: the tasks and their last evaluation's scores
+    (rank 0's logger holds them)."""
+    if not config.eval_tasks:
+        return {}
+    prefixes = tuple(f"eval_{task}/" for task in config.eval_tasks)
+    last = (metrics.last_eval if metrics is not None else None) or {}
+    return {"eval_tasks": list(config.eval_tasks),
+            "eval_scores": {k: v for k, v in last.items() if k.startswith(prefixes)},
+            "eval_scores_step": last.get("step")}

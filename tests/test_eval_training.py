@@ -60,15 +60,19 @@ def red_run(tmp_path_factory, tiny_model):
              "answer": r["output"]} for r in rows]
     (tasks / "likes_red.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / "likes_red.yaml").write_text(TASK_YAML.format(data=tasks / "likes_red.jsonl"))
-    config = write_config(root, tiny_model, data, eval_dataset=[{"name": str(held_out), "format": "alpaca"}],
-                          max_steps=24, eval_steps=8, save_steps=8, learning_rate=2e-3, warmup_steps=0,
-                          lr_scheduler_type="constant", finetune_type="full", final_model_dir="model",
-                          eval_tasks=["likes_red"], eval_include_path=str(tasks), eval_limit=4,
-                          metric_for_best_model="eval_likes_red/perplexity", greater_is_better=False,
-                          load_best_model_at_end=True)
+    config = _config(root, tiny_model, data, held_out, tasks)
     result = cli("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "out", result
+
+
+def _config(root, tiny_model, data, held_out, tasks, **overrides):
+    return write_config(root, tiny_model, data, **{
+        "eval_dataset": [{"name": str(held_out), "format": "alpaca"}], "max_steps": 24, "eval_steps": 8,
+        "save_steps": 8, "learning_rate": 2e-3, "warmup_steps": 0, "lr_scheduler_type": "constant",
+        "finetune_type": "full", "final_model_dir": "model", "eval_tasks": ["likes_red"],
+        "eval_include_path": str(tasks), "eval_limit": 4, "metric_for_best_model": "eval_likes_red/perplexity",
+        "greater_is_better": False, "load_best_model_at_end": True, **overrides})
 
 
 def test_best_checkpoint_follows_the_task_score_not_the_eval_loss(red_run):
@@ -97,6 +101,24 @@ def test_task_scores_are_lm_evals_own_on_the_final_model(red_run, tmp_path):
     assert result.exit_code == 0, result.output[-3000:]
     scored = json.loads((tmp_path / "e.json").read_text())["tuned"]["results"]["likes_red"]["perplexity,none"]
     assert scored == pytest.approx(read_summary(out)["best_metric"], rel=1e-4)
+
+
+def test_two_ranks_score_their_shares_and_log_the_one_process_number(red_run, tmp_path, tiny_model):
+    """eval_tasks on 2 CPU ranks (each scores half the requests, rank 0 gathers): the best score logged is the one
+    `praisonai-accel eval` gives in one process on the final model (the best checkpoint's weights)."""
+    out, _ = red_run
+    root = out.parent
+    config = _config(tmp_path, tiny_model, root / "red.jsonl", root / "digits.jsonl", root / "tasks",
+                     per_device_train_batch_size=2, eval_limit=None)
+    result = cli("train", str(config), "--cpu", "--num-processes", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "out")
+    assert summary["num_processes"] == 2 and summary["best_checkpoint"] == "checkpoint-24"
+    scored = _invoke("eval", str(tmp_path / "out"), "--tasks", "likes_red", "--include-path", str(root / "tasks"),
+                     "--output", str(tmp_path / "e.json"))
+    assert scored.exit_code == 0, scored.output[-3000:]
+    one = json.loads((tmp_path / "e.json").read_text())["tuned"]["results"]["likes_red"]["perplexity,none"]
+    assert one == pytest.approx(summary["best_metric"], rel=1e-4)
 
 
 def test_report_shows_the_task_scores(red_run):

@@ -5,7 +5,6 @@ best task score; greater_is_better follows transformers' default; bad eval_tasks
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -28,7 +28,14 @@ def served_model_name(base_url: str, timeout: float = 10.0) -> str:
 
 
 def endpoint(base_url: str, name: str, completions: bool, tokenizer: str | None):
+    import importlib.util
+
     from ..serve.lm_eval_args import endpoint_model
+
+    missing = [m for m in ("tenacity", "aiohttp", "requests") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"--endpoint: lm-eval's API models need {', '.join(missing)}: pip install "
+                          "'praisonai-accel[eval]' (lm-eval[api])")
     from ..serve.target import ServeError
 
     try:

@@ -180,7 +180,7 @@ def make_architecture(directory: Path, kind: str) -> Path:
 SLOWEST_MODULES = ["test_preference_runs.py", "test_multinode.py", "test_sequence_parallel_runs.py", "test_gguf.py", "test_reward_runs.py", "test_serve.py", "test_eval.py", "test_checkpoint.py", "test_training.py", "test_run_failures.py", "test_publish.py",
                    "test_fsdp.py", "test_security.py", "test_user_experience.py", "test_features.py",
                    "test_vision_runs.py", "test_qlora.py", "test_launch.py", "test_vision_demo.py",
-                   "test_vision_publish.py"]
+                   "test_vision_publish.py", "test_eval_training.py", "test_eval_endpoint.py", "test_eval_rewards.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import shlex
 import sys
@@ -222,6 +224,11 @@ def test_demo_command_visibly_learns_on_two_cpu_processes(tmp_path):
     assert result.stderr.splitlines()[:2][0].startswith("building a tiny model")
     assert result.stderr.splitlines()[1].startswith("$ ")  # nothing from the libraries before the launch
     assert (tmp_path / "demo" / "outputs" / "model" / "model.safetensors").is_file()
+    if importlib.util.find_spec("lm_eval") is not None:  # it ends with the eval table of its own task
+        assert "demo_reverse: base against tuned (lm-eval)" in result.stdout
+        latest = json.loads(next((tmp_path / "demo" / "outputs" / "eval").glob("*.json")).read_text())
+        row = next(r for r in latest["comparison"] if r["metric"] == "exact_match,none")
+        assert (row["base"], row["tuned"]) == (pytest.approx(before / 100), pytest.approx(after / 100))
 
 
 def test_gpu_benchmark_script_parses_and_refuses_without_a_gpu():

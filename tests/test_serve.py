@@ -104,7 +104,7 @@ def lm_eval_answer(base_url: str, name: str, max_gen_toks: int) -> str:
     from lm_eval.api.registry import get_model
     from lm_eval.models.api_models import JsonChatStr
 
-    from praisonai_accel.serve.lm_eval_args import endpoint_model
+    from praisonai_accel.evaluate.endpoint_model import endpoint_model
 
     endpoint = endpoint_model(base_url, name, max_gen_toks=max_gen_toks)
     model = get_model(endpoint.model).create_from_arg_string(endpoint.model_args_string())
@@ -396,8 +396,8 @@ def test_the_examples_name_the_key_by_its_variable():
 
 
 def test_an_endpoint_as_lm_eval_model_args():
-    from praisonai_accel.serve.lm_eval_args import endpoint_model
-    from praisonai_accel.serve.target import ServeError
+    from praisonai_accel.errors import ConfigError
+    from praisonai_accel.evaluate.endpoint_model import endpoint_model
 
     chat = endpoint_model("http://127.0.0.1:8000/v1/", "demo-run")
     assert (chat.model, chat.apply_chat_template) == ("local-chat-completions", True)
@@ -407,9 +407,9 @@ def test_an_endpoint_as_lm_eval_model_args():
     assert plain.model == "local-completions" and not plain.apply_chat_template
     assert plain.model_args["base_url"] == "http://127.0.0.1:8000/v1/completions"
     assert (plain.model_args["tokenizer_backend"], plain.model_args["tokenizer"]) == ("huggingface", "/runs/demo/lora_model")
-    with pytest.raises(ServeError, match="give the /v1 base URL"):
+    with pytest.raises(ConfigError, match="give the /v1 base URL"):
         endpoint_model("http://127.0.0.1:8000", "demo-run")
-    with pytest.raises(ServeError, match="tokenizer=/a,b holds ','"):
+    with pytest.raises(ConfigError, match="tokenizer=/a,b holds ','"):
         endpoint_model("http://127.0.0.1:8000/v1", "m", chat=False, tokenizer="/a,b").model_args_string()
     if lm_eval_api_installed():  # lm-eval itself parses the string back into its model's arguments
         from lm_eval.utils import simple_parse_args_string

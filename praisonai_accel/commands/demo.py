@@ -70,6 +70,9 @@ def demo_command(
     summary = launch_demo(directory / "config.yaml", raw, processes, directory / "outputs")
     after = text_answers(Path(summary["final_model_dir"]), held_out)
     _report(held_out, before, after, summary)
+    from .demo_eval import eval_table
+
+    eval_table(directory, model_dir, Path(summary["final_model_dir"]), directory / "outputs", held_out)
 
 
 def _report(held_out: list[dict], before: list[str], after: list[str], summary: dict) -> None:

@@ -36,7 +36,26 @@ def check_before_launch(config, num_processes: int) -> str:
     method_rule(config)
     final_model_dir_rule(config)
     vision_rule(config, declares_images(config))
+    check_eval_tasks(config)
     return describe_start(config, num_processes)
+
+
+def check_eval_tasks(config) -> None:
+    """eval_tasks built as the workers will build them, and a metric_for_best_model naming one of their scores
+    checked against the task's metrics: one line before any process starts."""
+    if not config.eval_tasks:
+        return
+    from ..errors import ConfigError
+    from ..evaluate.tasks import build_tasks, metric_key, task_metrics
+
+    include = Path(config.eval_include_path) if config.eval_include_path else None
+    _, task_dict = build_tasks(config.eval_tasks, include, ("eval_tasks", "eval_include_path"))
+    wanted = config.metric_for_best_model.removeprefix("eval_")
+    task, _, metric = wanted.partition("/")
+    metrics = task_metrics(task_dict)
+    if task in metrics and metric.split(",")[0] not in metrics[task]:
+        raise ConfigError(f"metric_for_best_model: task {task} logs no metric {metric!r}; it logs "
+                          f"{', '.join('eval_' + metric_key(task, m) for m in metrics[task])}")
 
 
 def train_command(

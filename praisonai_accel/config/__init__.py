@@ -38,7 +38,8 @@ RESUMABLE_KEYS = {
     "max_steps", "num_train_epochs", "logging_steps", "save_strategy", "save_steps", "save_total_limit",
     "resume_from_checkpoint", "overwrite_output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
-    "early_stopping_threshold", "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
+    "early_stopping_threshold", "eval_tasks", "eval_include_path", "eval_limit",
+    "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
     "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
     "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "force_resume",
     "quantization_method", "save_gguf", "huggingface_save_gguf", "ollama_save",
@@ -148,13 +149,17 @@ class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, L
             raise ValueError("save_steps: required when save_strategy is 'steps'")
         if self.eval_dataset and self.val_split_ratio > 0:
             raise ValueError("val_split_ratio: use either val_split_ratio or eval_dataset, not both")
-        has_eval_data = bool(self.eval_dataset) or self.val_split_ratio > 0
+        has_eval_data = bool(self.eval_dataset) or self.val_split_ratio > 0 or bool(self.eval_tasks)
         if self.eval_steps and not has_eval_data:
-            raise ValueError("eval_steps: evaluation needs eval_dataset or val_split_ratio")
+            raise ValueError("eval_steps: evaluation needs eval_dataset or val_split_ratio (or eval_tasks)")
         if self.eval_strategy is None:
             self.eval_strategy = ("steps" if self.eval_steps else "epoch") if has_eval_data else "no"
         if self.eval_strategy != "no" and not has_eval_data:
-            raise ValueError(f"eval_strategy: '{self.eval_strategy}' needs eval_dataset or val_split_ratio")
+            raise ValueError(f"eval_strategy: '{self.eval_strategy}' needs eval_dataset or val_split_ratio (or eval_tasks)")
+        if (self.eval_include_path or self.eval_limit) and not self.eval_tasks:
+            raise ValueError(f"{'eval_include_path' if self.eval_include_path else 'eval_limit'}: needs eval_tasks")
+        if self.greater_is_better is None:  # transformers' rule
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.eval_strategy == "steps" and not self.eval_steps:
             raise ValueError("eval_steps: required when eval_strategy is 'steps'")
         if self.early_stopping_patience and self.eval_strategy == "no":

@@ -235,6 +235,13 @@ class EvalKeys(BaseModel):
         default=None, description="When to evaluate; default: steps if eval_steps is set, else epoch, when there is "
                                   "eval data.")
     eval_steps: int | None = Field(default=None, gt=0, description="Optimizer steps between evaluations.")
+    eval_tasks: list[str] | None = Field(
+        default=None, description="lm-eval tasks scored at each evaluation and at the end, on all ranks together "
+                                  "(the [eval] extra), logged as eval_<task>/<metric>; metric_for_best_model may "
+                                  "name one.")
+    eval_include_path: str | None = Field(default=None, description="A directory of lm-eval YAML tasks for eval_tasks.")
+    eval_limit: float | None = Field(default=None, gt=0, description="At most this many documents per eval_tasks task "
+                                                                     "(a fraction below 1).")
     per_device_eval_batch_size: int | None = Field(
         default=None, gt=0, description="Examples per process per eval batch; default: per_device_train_batch_size.")
     load_best_model_at_end: bool = Field(
@@ -243,7 +250,9 @@ class EvalKeys(BaseModel):
     metric_for_best_model: str = Field(
         default="eval_loss", description="The metric that picks the best checkpoint: eval_loss, or an eval metric of "
                                          "the method (eval_rewards/accuracies, eval_reward).")
-    greater_is_better: bool = Field(default=False, description="Whether a larger metric_for_best_model is better.")
+    greater_is_better: bool | None = Field(
+        default=None, description="Whether a larger metric_for_best_model is better; default (as in transformers): "
+                                  "true unless its name ends in loss.")
     early_stopping_patience: int | None = Field(
         default=None, gt=0, description="Stop after this many evaluations without improvement.")
     early_stopping_threshold: float = Field(

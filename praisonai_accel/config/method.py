@@ -38,7 +38,7 @@ class MethodChoice(BaseModel):
 
     @property
     def model_head(self) -> str:
-        """What model.py loads for the chosen method: its class's `model_head` ("causal-lm", or
+        """What models/loading.py loads for the chosen method: its class's `model_head` ("causal-lm", or
         "sequence-classification" for a reward model)."""
         return getattr(self.training_method, "model_head", "causal-lm")
 
@@ -49,9 +49,11 @@ class MethodChoice(BaseModel):
         name = name if name.startswith("eval_") else f"eval_{name}"
         metrics = self.training_method.metrics if self.training_method else ()
         known = ("eval_loss",) + tuple(f"eval_{m}" for m in metrics)
-        if name not in known:
+        # an eval_tasks score, eval_<task>/<metric>: its metric is checked before launch, once the task is built
+        tasks = tuple(f"eval_{task}/" for task in getattr(self, "eval_tasks", None) or ())
+        if name not in known and not (tasks and name.startswith(tasks)):
             raise ValueError(f"metric_for_best_model: {self.metric_for_best_model!r} is not a metric method: "
-                             f"{self.method} logs; use one of {', '.join(known)}")
+                             f"{self.method} logs; use one of {', '.join(known + tuple(t + '<metric>' for t in tasks))}")
         return name
 
 

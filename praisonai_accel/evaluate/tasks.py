@@ -26,13 +26,13 @@ def parse_task_names(spec: str) -> list[str]:
     return names
 
 
-def check_include_path(include_path: Path | None) -> None:
+def check_include_path(include_path: Path | None, what: str = "--include-path") -> None:
     """Every YAML under the include path must parse as lm-eval reads it (lm-eval itself skips one that does not, and
     its tasks then read as unknown)."""
     if include_path is None:
         return
     if not include_path.is_dir():
-        raise ConfigError(f"--include-path {include_path}: no such directory")
+        raise ConfigError(f"{what} {include_path}: no such directory")
     from lm_eval.tasks._yaml_loader import load_yaml  # private: lm-eval's minor version is pinned in [eval]
 
     for path in sorted(include_path.rglob("*.yaml")):
@@ -44,29 +44,58 @@ def check_include_path(include_path: Path | None) -> None:
             raise ConfigError(f"{path}: not a valid lm-eval task YAML: expected a mapping")
 
 
-def task_manager(include_path: Path | None):
+def task_manager(include_path: Path | None, what: str = "--include-path"):
     import_lm_eval()
-    check_include_path(include_path)
+    check_include_path(include_path, what)
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def build_tasks(names: list[str], include_path: Path | None):
-    """(the TaskManager, lm-eval's task dict) or one line naming the task that cannot be built."""
+def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, str] = ("--tasks", "--include-path")):
+    """(the TaskManager, lm-eval's task dict) or one line naming the task that cannot be built. `keys` name the
+    option or config key of the tasks and of the include path in that line."""
     import logging
 
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, keys[1])
     known = set(manager.all_tasks)
     for name in names:
         if name not in known and not manager.match_tasks([name]):
-            where = f" or under {include_path}" if include_path else " (a local YAML task needs --include-path DIR)"
-            raise ConfigError(f"--tasks: lm-eval knows no task '{name}'{where}")
+            where = f" or under {include_path}" if include_path else f" (a local YAML task needs {keys[1]} DIR)"
+            raise ConfigError(f"{keys[0]}: lm-eval knows no task '{name}'{where}")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
         return manager, manager.load(names)
     except Exception as exc:  # the Hub unreachable (offline), a data file missing, a template that does not render
-        raise ConfigError(f"--tasks {','.join(names)}: cannot build the task: {_why(exc)}") from None
+        raise ConfigError(f"{keys[0]} {','.join(names)}: cannot build the task: {_why(exc)}") from None
+
+
+def task_metrics(task_dict) -> dict[str, list[str]]:
+    """{task: its metric names (without lm-eval's filter)} of a built task dict, groups opened."""
+    return {task.config.task: list(task.aggregation()) for task in leaf_tasks(task_dict)}
+
+
+def leaf_tasks(task_dict):
+    for value in task_dict.values():
+        if isinstance(value, dict):
+            yield from leaf_tasks(value)
+        elif hasattr(value, "aggregation"):
+            yield value
+
+
+def metric_key(task: str, metric: str) -> str:
+    """How a task score is logged during training: <task>/<metric>, lm-eval's filter kept unless it is none."""
+    return f"{task}/{metric.removesuffix(',none')}"
+
+
+def scores(results: dict) -> dict[str, float]:
+    """{<task>/<metric>: value} from lm-eval's results (standard errors left out)."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if "," in key and "_stderr" not in key and isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[metric_key(task, key)] = float(value)
+    return out
 
 
 def _why(exc: BaseException) -> str:

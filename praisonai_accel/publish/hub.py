@@ -154,8 +154,9 @@ class HubPublisher:
         return self.errors
 
 
-def model_card(config: TrainConfig, summary: dict) -> str:
-    """README.md for the pushed folder: what it is, what it was trained on, how, and how well."""
+def model_card(config: TrainConfig, summary: dict, latest_eval: dict | None = None) -> str:
+    """README.md for the pushed folder: what it is, what it was trained on, how, and how well: the last scores of
+    eval_tasks (summary["eval_scores"]) and the latest `praisonai-accel eval` results file of the run, if any."""
     # Local paths name someone's disk (/home/alice/private/...): only a file's name is published.
     datasets = [d.name if is_hub_id(d.name) else Path(d.name).name for d in config.dataset]
     hub_datasets = [d.name for d in config.dataset if is_hub_id(d.name)]
@@ -207,8 +208,30 @@ def model_card(config: TrainConfig, summary: dict) -> str:
             "preferred one."
             if reward else "")
     body = [f"# {title}", "", f"Fine-tuned from `{base}` with praisonai-accel {__version__}.{what}", "",
-            "## Training", ""] + table + ["", "## Use", "", usage, ""]
+            "## Training", ""] + table + _evaluation(summary, latest_eval) + ["", "## Use", "", usage, ""]
     return "\n".join(front + [""] + body)
+
+
+def _evaluation(summary: dict, latest: dict | None) -> list[str]:
+    """## Evaluation: eval_tasks' scores at the run's last evaluation; the latest eval's table, base against tuned."""
+    def cell(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    sections = []
+    if summary.get("eval_scores"):
+        sections.append([f"lm-evaluation-harness tasks scored during training (eval_tasks), at step "
+                         f"{summary.get('eval_scores_step')}:", "", "| metric | score |", "|---|---|"]
+                        + [f"| {name} | {cell(value)} |" for name, value in summary["eval_scores"].items()])
+    if latest and latest.get("comparison"):
+        sections.append([f"`praisonai-accel eval` of step {latest.get('checkpoint_step')} ({latest.get('created')}):",
+                         "", "| task | metric | base | tuned | change |", "|---|---|---|---|---|"]
+                        + [f"| {r['task']} | {r['metric'].replace(',none', '')} | {cell(r.get('base'))} | "
+                           f"{cell(r.get('tuned'))} | {'-' if r.get('change') is None else format(r['change'], '+.4f')} |"
+                           for r in latest["comparison"]])
+    out = ["", "## Evaluation"] if sections else []
+    for lines in sections:
+        out += [""] + lines
+    return out
 
 
 def _reward_usage(base: str, title: str, lora: bool) -> str:

@@ -37,6 +37,7 @@ class RunReport:
     headline: dict[str, tuple[float, float]] = field(default_factory=dict)  # the method's metrics: first, last
     full_model: bool = False  # a full fine-tune: the final directory holds a model, not an adapter
     method_rows: list[tuple[str, str]] = field(default_factory=list)  # the method's (TrainingMethod.report_rows)
+    task_scores: dict[str, tuple[float, float]] = field(default_factory=dict)  # eval_tasks' scores: first, last
 
     def rows(self) -> list[tuple[str, str]]:
         def number(value, fmt=".4f"):
@@ -53,6 +54,8 @@ class RunReport:
             *self.method_rows,
             ("best training loss", number(self.best_loss)),
             ("best eval loss", number(self.best_eval_loss)),
+            *((f"{name} (first -> last)", f"{number(first)} -> {number(last)}")
+              for name, (first, last) in self.task_scores.items()),
             ("tokens/s (median)", number(self.tokens_per_second, ",.0f")),
             ("training time", "n/a" if self.elapsed_seconds is None else f"{self.elapsed_seconds:.1f} s"),
             ("checkpoints", ", ".join(self.checkpoints) or "none"),
@@ -89,6 +92,7 @@ def read_run(output_dir: Path, method_rows=None) -> RunReport:
         headline=_headline(steps, progress),
         full_model=final_dir is not None and not (final_dir / "adapter_config.json").is_file(),
         method_rows=method_rows(progress, records) if method_rows else [],
+        task_scores=_task_scores(records, summary.get("eval_tasks") or ()),
     )
 
 
@@ -164,6 +168,17 @@ def _headline(steps: list[dict], progress: dict) -> dict[str, tuple[float, float
         if values:
             out[name] = (values[0], values[-1])
     return out
+
+
+def _task_scores(records: list[dict], tasks) -> dict[str, tuple[float, float]]:
+    """eval_<task>/<metric> of eval_tasks, first and last evaluation."""
+    prefixes = tuple(f"eval_{task}/" for task in tasks)
+    out: dict[str, list[float]] = {}
+    for record in records:
+        for name, value in record.items():
+            if prefixes and name.startswith(prefixes) and isinstance(value, (int, float)):
+                out.setdefault(name, []).append(value)
+    return {name: (values[0], values[-1]) for name, values in out.items()}
 
 
 def _read_json(path: Path) -> dict:

@@ -46,6 +46,18 @@ def evaluate(accelerator, loss_module, method, eval_data, collate, batch_size: i
     return float(totals[0] / units), method.reduce_metrics(sums, float(totals[1])) if sums else {}
 
 
+def saves_at(config: TrainConfig, step: int, end_of_epoch: bool) -> bool:
+    if config.save_strategy == "steps":
+        return step % config.save_steps == 0
+    return config.save_strategy == "epoch" and end_of_epoch
+
+
+def evals_at(config: TrainConfig, step: int, end_of_epoch: bool) -> bool:
+    if config.eval_strategy == "steps":
+        return step % config.eval_steps == 0
+    return config.eval_strategy == "epoch" and end_of_epoch
+
+
 def improved(metric: float, best: float | None, greater_is_better: bool, threshold: float) -> bool:
     if best is None:
         return True

@@ -105,7 +105,7 @@ class MetricsLogger:
     """
 
     def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, append: bool = False,
-                 tracker_log: Callable[[dict, int], None] | None = None, headline=()):
+                 tracker_log: Callable[[dict, int], None] | None = None, headline=(), scores=()):
         self.path = Path(path)
         self.total_steps = total_steps
         self.enabled = enabled
@@ -113,6 +113,7 @@ class MetricsLogger:
         self.append = append
         self.tracker_log = tracker_log
         self.headline = tuple(headline)
+        self.scores = tuple(scores)  # the prefixes of eval_tasks' scores (eval_<task>/), shown with each evaluation
         self.first: dict | None = None  # this attempt's first and last training records, and its last evaluation
         self.last: dict | None = None
         self.last_eval: dict | None = None
@@ -180,10 +181,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._write(record)
-        if "eval_loss" in record:
+        if "eval_loss" in record or any(k.startswith(self.scores) for k in record if self.scores):
             self.last_eval = record
             names = ["eval_loss"] + [f"eval_{n}" for n in headline_names(self.headline, [k[5:] for k in record
                                                                                          if k.startswith("eval_")])]
+            names += [k for k in record if self.scores and k.startswith(self.scores)]
             line = " | ".join(f"{n} {_number(record[n])}" for n in names if record.get(n) is not None)
             log.info("step %d/%d | %s", record["step"], self.total_steps, line)
 

@@ -115,7 +115,10 @@ def end_summary(summary: dict, metrics, adapter: bool, resumed_from: Path | None
     if evaluated:
         best = (f" | best checkpoint: {summary['best_checkpoint']} ({summary['best_metric']:.4f})"
                 if summary.get("best_checkpoint") and summary.get("best_metric") is not None else "")
-        lines.append(f"eval_loss {evaluated['eval_loss']:.4f} at step {evaluated['step']}{best}")
+        shown = [f"{name} {evaluated[name]:.4f}" for name in ["eval_loss", *(k for k in evaluated if metrics.scores
+                                                                          and k.startswith(metrics.scores))]
+                 if evaluated.get(name) is not None]
+        lines.append(f"{' | '.join(shown)} at step {evaluated['step']}{best}")
     lines.append(f"saved {'adapter' if adapter else 'model'} to {summary['final_model_dir']}")
     return lines
 

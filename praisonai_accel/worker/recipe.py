@@ -30,12 +30,13 @@ from ..models.loading import (
     choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
     uses_reentrant_checkpointing,
 )
+from ..evaluate.results import latest_eval
 from ..publish.hub import model_card
 from . import checkpoint as ckpt
 from ..run_dir import checkpoints as ckpt_dir
 from . import outputs, resume
 from .accelerator import build_accelerator, check_shared_output_dir, quiet_stdout, run_context, start_trackers, track_loader
-from .evaluation import evaluate, record_evaluation
+from .evaluation import evaluate, evals_at, record_evaluation, saves_at
 from .failures import DiskFull, is_disk_full
 from .flops import flop_counts
 from .inputs import load_training_data, packing_for, shares_cache, train_loader
@@ -46,6 +47,7 @@ from .preflight import run_preflight
 from .sharded_state import parameter_bytes, reshard
 from .step import micro_batch_groups, optimizer_step, repeated_groups
 from .stop import StopSignals
+from .task_eval import TaskEvaluation, task_summary
 from .watchdog import Watchdog
 
 log = logging.getLogger("praisonai_accel")
@@ -73,6 +75,7 @@ class Recipe:
         self.tokenizer = None
         self.collate = None
         self.eval_data = None
+        self.task_eval: TaskEvaluation | None = None  # eval_tasks
         self.preprocess: dict = {}  # how long preprocessing took, and whether it came from the cache
         self.model = None  # the method's loss module, prepared (DDP / FSDP2)
         self.optimizer = None
@@ -131,6 +134,7 @@ class Recipe:
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
                                                                          self.method.data(self.tokenizer))
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
+        self.task_eval = TaskEvaluation.build(config, self.tokenizer, self._eval_batch_size(), fsdp_requested())
         loader_batch = self.method.loader_batch_size(config.per_device_train_batch_size)
         loader = train_loader(config, train_data, self.collate, self.packing, loader_batch)
         self.method.set_up(run_context(accelerator, self.tokenizer, config))
@@ -183,7 +187,8 @@ class Recipe:
         tracker_log = (lambda values, step: accelerator.log(values, step=step)) if config.trackers else None
         metrics = self.metrics = MetricsLogger(self.output_dir / "metrics.jsonl", self.total_steps,
                                                enabled=accelerator.is_main_process, start_step=state.global_step,
-                                               append=True, tracker_log=tracker_log, headline=self.headline)
+                                               append=True, tracker_log=tracker_log, headline=self.headline,
+                                               scores=tuple(f"eval_{task}/" for task in config.eval_tasks or ()))
         self._write_progress("running")
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         started = time.perf_counter()
@@ -224,16 +229,18 @@ class Recipe:
                         state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
                         state.last_loss = record["loss"]
                         window = Window(self.method.reduce_metrics)
-                    if self.eval_data is not None and self._evals_at(state.global_step, end_of_epoch):
+                    if evals_at(self.config, state.global_step, end_of_epoch):
                         stop_early = self._evaluate_and_record(end_of_epoch)
                         watchdog.progress()
                     if step.stop and not last:  # on the last step: finish, the final save is the checkpoint
                         self._preempted()
-                    if self._saves_at(state.global_step, end_of_epoch):
+                    if saves_at(self.config, state.global_step, end_of_epoch):
                         self.save_checkpoint()
                         watchdog.progress()
                     if last or stop_early:
                         break
+            if self.task_eval is not None and not evals_at(self.config, state.global_step, state.batches_in_epoch == 0):
+                self.metrics.log_event({"step": state.global_step, **self._task_scores()})  # the end's scores
             if stop_early:
                 log.info("early stopping at step %d: no improvement in %d evaluation(s)", state.global_step,
                          config.early_stopping_patience)
@@ -268,30 +275,27 @@ class Recipe:
     def _evaluate_and_record(self, end_of_epoch: bool) -> bool:
         """Evaluate, log it, track the best metric; True when early stopping says stop."""
         config, state = self.config, self.state
-        eval_loss, eval_metrics = self.evaluate()
-        self.metrics.log_event({"step": state.global_step, "eval_loss": eval_loss,
-                                **{f"eval_{name}": value for name, value in eval_metrics.items()}})
+        eval_loss, eval_metrics = self.evaluate() if self.eval_data is not None else (None, {})
+        scores = self._task_scores()
+        self.metrics.log_event({"step": state.global_step, **({"eval_loss": eval_loss} if eval_loss is not None else {}),
+                                **{f"eval_{name}": value for name, value in eval_metrics.items()}, **scores})
+        eval_metrics.update({name[len("eval_"):]: value for name, value in scores.items()})
         return record_evaluation(config, state, (eval_loss, eval_metrics),
-                                 self._saves_at(state.global_step, end_of_epoch))
+                                 saves_at(self.config, state.global_step, end_of_epoch))
+
+    def _task_scores(self) -> dict[str, float]:
+        scores = self.task_eval.score(self.accelerator, self.model) if self.task_eval is not None else {}
+        return {f"eval_{name}": value for name, value in scores.items()}
+
+    def _eval_batch_size(self) -> int:
+        batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
+        return max(1, self.method.loader_batch_size(batch_size))
 
     def evaluate(self) -> tuple[float, dict[str, float]]:
-        batch_size = self.config.per_device_eval_batch_size or self.config.per_device_train_batch_size
-        batch_size = max(1, self.method.loader_batch_size(batch_size))
-        result = evaluate(self.accelerator, self.model, self.method, self.eval_data, self.collate, batch_size, self.sp)
+        result = evaluate(self.accelerator, self.model, self.method, self.eval_data, self.collate,
+                          self._eval_batch_size(), self.sp)
         reshard(self.model)  # FSDP2: what stayed gathered after the no-grad forwards goes back to shards
         return result
-
-    def _saves_at(self, step: int, end_of_epoch: bool) -> bool:
-        config = self.config
-        if config.save_strategy == "steps":
-            return step % config.save_steps == 0
-        return config.save_strategy == "epoch" and end_of_epoch
-
-    def _evals_at(self, step: int, end_of_epoch: bool) -> bool:
-        config = self.config
-        if config.eval_strategy == "steps":
-            return step % config.eval_steps == 0
-        return config.eval_strategy == "epoch" and end_of_epoch
 
     # ------------------------------------------------------------ save
 
@@ -360,8 +364,9 @@ class Recipe:
             "preprocess_cached": self.preprocess["cached"],
             "revision": config.revision,
             "model_commit": self.model_commit,
+            **task_summary(config, self.metrics),
         }
-        outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary))
+        outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary, latest_eval(self.output_dir)))
         if self.publisher is not None:
             self.publisher.on_final(final_dir)
         digests = gather_object([outputs.parameter_digest(accelerator.unwrap_model(self.model))])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .target import ServeError
+from ..errors import ConfigError
 
 
 @dataclass
@@ -18,7 +18,7 @@ class EndpointModel:
         """`--model_args` as lm-eval's simple_parse_args_string reads it back (a value holding ',' or '=' cannot)."""
         for key, value in self.model_args.items():
             if any(c in str(value) for c in ",="):
-                raise ServeError(f"lm-eval model_args: {key}={value} holds ',' or '=', which --model_args cannot carry; "
+                raise ConfigError(f"lm-eval model_args: {key}={value} holds ',' or '=', which --model_args cannot carry; "
                                  "pass model_args as a dict (lm_eval.simple_evaluate) instead")
         return ",".join(f"{key}={value}" for key, value in self.model_args.items())
 
@@ -30,7 +30,7 @@ def endpoint_model(base_url: str, name: str, chat: bool = True, tokenizer: str |
     lm-eval only where `tokenizer` (a model directory or Hub id) is given, for tasks that count tokens."""
     base_url = base_url.rstrip("/")
     if not base_url.endswith("/v1"):
-        raise ServeError(f"endpoint {base_url}: give the /v1 base URL serve printed (http://HOST:PORT/v1)")
+        raise ConfigError(f"endpoint {base_url}: give the /v1 base URL serve printed (http://HOST:PORT/v1)")
     args = {"model": name, "base_url": f"{base_url}/{'chat/completions' if chat else 'completions'}",
             "num_concurrent": num_concurrent, "max_retries": max_retries, "tokenized_requests": False}
     if max_gen_toks is not None:

@@ -14,9 +14,23 @@ EXTRA_LINE = "lm-eval is not installed: pip install 'praisonai-accel[eval]'"
 def import_lm_eval():
     try:
         import lm_eval
+        import lm_eval.evaluator
     except ImportError:
         raise ConfigError(EXTRA_LINE) from None
+    # simple_evaluate records the working directory's git commit with `git describe`, whose "fatal: not a git
+    # repository" reached the user's console from any other directory: the same lookup, its stderr kept out
+    lm_eval.evaluator.get_git_commit_hash = _git_commit_hash
     return lm_eval
+
+
+def _git_commit_hash() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def parse_task_names(spec: str) -> list[str]:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ..errors import first_line
+from .user_code import import_user_module
 
 ENTRY_POINT_GROUP = "praisonai_accel.methods"
 # module (in this package) and class of each built-in, in the order error lines list them
@@ -106,24 +105,7 @@ def _load_builtins() -> None:
 
 def _load(path: str, where: str, config_dir: str | Path | None = None) -> type:
     module_name, _, attribute = path.partition(":")
-    # The config's directory is on sys.path only while the module imports (as methods/rewards.py does for reward
-    # functions): left there, a later import of a name matching a file beside the config would run that file.
-    added = config_dir is not None and str(config_dir) not in sys.path
-    if added:
-        sys.path.insert(0, str(config_dir))
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            searched = f"{config_dir} (the config's directory) and sys.path" if config_dir else "sys.path"
-            raise ValueError(f"{where}: no module named '{exc.name}' (looked in {searched})") from None
-        raise ValueError(f"{where}: module '{module_name}' cannot be imported: {first_line(exc)}") from None
-    except Exception as exc:  # SyntaxError, anything its top level raises
-        raise ValueError(f"{where}: module '{module_name}' cannot be imported: {type(exc).__name__}: "
-                         f"{first_line(exc)}") from None
-    finally:
-        if added:
-            sys.path.remove(str(config_dir))
+    module = import_user_module(module_name, where, config_dir, ValueError)
     cls = getattr(module, attribute, None) if attribute else None
     if cls is None:
         raise ValueError(f"{where}: module '{module_name}' has no class '{attribute}'")

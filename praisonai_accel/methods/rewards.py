@@ -13,18 +13,17 @@ function that requires them is refused at load. docs/reward_functions.md is the 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError, first_line
 from .method_keys import BUILTIN_REWARDS, REWARD_MODEL_PREFIX, parse_reward_entry
+from .user_code import import_user_module
 
 log = logging.getLogger("praisonai_accel")
 FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
@@ -150,25 +149,8 @@ def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFu
 
 
 def _import(module_name: str, attribute: str, where: str, base_dir: Path | None) -> Callable:
-    # The config's directory is on sys.path only while the reward module imports: left there, a later import of
-    # any name that matches a file beside the config (wandb.py, ray.py) would run code the config never named.
-    added = base_dir is not None and str(base_dir) not in sys.path
-    if added:
-        sys.path.insert(0, str(base_dir))
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            searched = f"{base_dir} (the config's directory) and sys.path" if base_dir is not None else "sys.path"
-            raise ConfigError(f"{where}: no module named '{exc.name}' (looked in {searched}); put "
-                              f"{exc.name.split('.')[0]}.py next to the config file or install it") from None
-        raise ConfigError(f"{where}: module '{module_name}' cannot be imported: {first_line(exc)}") from None
-    except Exception as exc:  # SyntaxError, an ImportError of its own, anything its top level raises
-        raise ConfigError(f"{where}: module '{module_name}' cannot be imported: {type(exc).__name__}: "
-                          f"{first_line(exc)}") from None
-    finally:
-        if added:
-            sys.path.remove(str(base_dir))
+    module = import_user_module(module_name, where, base_dir, ConfigError,
+                                "; put {top}.py next to the config file or install it")
     if not hasattr(module, attribute):
         raise ConfigError(f"{where}: module '{module_name}' ({getattr(module, '__file__', None) or 'built in'}) has "
                           f"no attribute '{attribute}'")

@@ -128,14 +128,15 @@ def test_report_shows_the_task_scores(red_run):
 
 
 def test_greater_is_better_defaults_to_transformers_rule():
-    from praisonai_accel.config import TrainConfig
+    from praisonai_accel.config import parse_config
 
     base = {"model_name": "m", "dataset": [{"name": "d.jsonl"}], "val_split_ratio": 0.1}
-    assert TrainConfig(**base).greater_is_better is False
-    assert TrainConfig(**base, method="dpo", metric_for_best_model="eval_rewards/accuracies").greater_is_better is True
-    assert TrainConfig(**base, method="dpo", metric_for_best_model="eval_rewards/accuracies",
-                       greater_is_better=False).greater_is_better is False
-    assert TrainConfig(**base, eval_tasks=["t"], metric_for_best_model="eval_t/acc").greater_is_better is True
+    assert parse_config(base).greater_is_better is False
+    assert parse_config({**base, "method": "dpo",
+                         "metric_for_best_model": "eval_rewards/accuracies"}).greater_is_better is True
+    assert parse_config({**base, "method": "dpo", "metric_for_best_model": "eval_rewards/accuracies",
+                         "greater_is_better": False}).greater_is_better is False
+    assert parse_config({**base, "eval_tasks": ["t"], "metric_for_best_model": "eval_t/acc"}).greater_is_better is True
 
 
 @pytest.mark.parametrize("overrides,line", [

@@ -34,14 +34,11 @@ class EvalRequest:
 
 
 def load_model(target: EvalTarget, device=None):
-    import torch
-
     from ..models.inference import load_for_inference
 
     model, tokenizer = load_for_inference(Path(target.model) if Path(target.model).exists() else target.model,
                                           device=str(device) if device is not None else None,
                                           trust_remote_code=target.trust_remote_code)
-    torch.set_grad_enabled(False)
     return model, getattr(tokenizer, "tokenizer", tokenizer)
 
 

@@ -48,24 +48,17 @@ _SHARED_PREPARED: list[Path] = []
 
 
 @pytest.fixture(autouse=True)
-def _restore_loggers():
+def _restore_our_logger():
     """A command run in process (CliRunner) gives the praisonai_accel logger a stderr handler and stops it
     propagating (logs.show_progress_lines), and lm-eval gives its logger a handler on the stderr of the moment: put
-    every logger back as it was, or a later test's caplog sees nothing and a handler writes to a stream pytest has
-    closed ("--- Logging error ---" in another test's output)."""
+    them back, or a later test's caplog sees nothing and a handler writes to a stream pytest has closed."""
     import logging
 
-    def loggers():
-        return {"": logging.getLogger(), **{name: log for name, log in logging.Logger.manager.loggerDict.items()
-                                            if isinstance(log, logging.Logger)}}
-
-    saved = {name: (list(log.handlers), log.propagate, log.level) for name, log in loggers().items()}
+    logs = [logging.getLogger(name) for name in ("praisonai_accel", "lm_eval")]
+    saved = [(list(log.handlers), log.propagate, log.level) for log in logs]
     yield
-    for name, log in loggers().items():
-        if name in saved:
-            log.handlers[:], log.propagate, log.level = saved[name]
-        else:  # a logger made during the test: its stream handlers write to the test's streams
-            log.handlers[:] = [h for h in log.handlers if not isinstance(h, logging.StreamHandler)]
+    for log, (handlers, propagate, level) in zip(logs, saved):
+        log.handlers[:], log.propagate, log.level = handlers, propagate, level
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -59,6 +59,12 @@ def _restore_our_logger():
     yield
     for log, (handlers, propagate, level) in zip(logs, saved):
         log.handlers[:], log.propagate, log.level = handlers, propagate, level
+    # any other logger a library pointed at a stream pytest has since closed: its next record would print
+    # "--- Logging error ---" into a later test's output
+    for log in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        if isinstance(log, logging.Logger):
+            log.handlers[:] = [h for h in log.handlers if not (isinstance(h, logging.StreamHandler)
+                                                               and getattr(h.stream, "closed", False))]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,6 +47,12 @@ def alpaca_file(tmp_path_factory) -> Path:
 _SHARED_PREPARED: list[Path] = []
 
 
+def _logging_state(log):
+    import logging
+
+    return (list(log.handlers), log.propagate, log.level, log.disabled, logging.root.manager.disable)
+
+
 @pytest.fixture(autouse=True)
 def _restore_our_logger():
     """A command run in process (CliRunner) gives the praisonai_accel logger a stderr handler and stops it
@@ -55,10 +61,11 @@ def _restore_our_logger():
     import logging
 
     logs = [logging.getLogger(name) for name in ("praisonai_accel", "lm_eval")]
-    saved = [(list(log.handlers), log.propagate, log.level) for log in logs]
+    saved = [_logging_state(log) for log in logs]
     yield
-    for log, (handlers, propagate, level) in zip(logs, saved):
-        log.handlers[:], log.propagate, log.level = handlers, propagate, level
+    for log, state in zip(logs, saved):
+        log.handlers[:], log.propagate, log.level, log.disabled = state[:4]
+    logging.disable(saved[0][4])
     # any other logger a library pointed at a stream pytest has since closed: its next record would print
     # "--- Logging error ---" into a later test's output
     for log in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:

@@ -34,6 +34,27 @@ def holder(output_dir: Path, job: str = "", **env) -> subprocess.Popen:
     return proc
 
 
+@pytest.fixture
+def lock_log():
+    """What the lock module logs, read from the logger object it holds: caplog reads it through the root logger,
+    which a library imported earlier in the same worker may have rewired (the suite runs modules in one process)."""
+    import io
+
+    import praisonai_accel.run_dir.lock as run_lock
+
+    stream, log = io.StringIO(), run_lock.log
+    handler = logging.StreamHandler(stream)
+    saved = log.level, log.disabled, logging.root.manager.disable
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.disabled = False
+    logging.disable(logging.NOTSET)
+    yield stream
+    log.removeHandler(handler)
+    log.level, log.disabled = saved[:2]
+    logging.disable(saved[2])
+
+
 def kill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -42,22 +63,22 @@ def kill(proc: subprocess.Popen) -> None:
 # ---------------------------------------------------------------------------------------------- one run per output_dir
 
 
-def test_the_lock_names_its_holder_refuses_a_second_run_and_takes_over_a_dead_ones(tmp_path, caplog):
+def test_the_lock_names_its_holder_refuses_a_second_run_and_takes_over_a_dead_ones(tmp_path, lock_log):
     proc = holder(tmp_path)
     with pytest.raises(RunLocked, match=rf"in use by another run \(pid {proc.pid} on {socket.gethostname()}, started "):
         RunLock(tmp_path).acquire()
     kill(proc)  # the kernel lets go of the flock; the file stays, naming a process that no longer exists
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == proc.pid
-    with caplog.at_level(logging.WARNING, logger="praisonai_accel"):
-        lock = RunLock(tmp_path).acquire()
-    assert f"taking over {tmp_path / LOCK_NAME}, left by pid {proc.pid}" in caplog.text and "no longer exists" in caplog.text
+    lock = RunLock(tmp_path).acquire()
+    said = lock_log.getvalue()
+    assert f"taking over {tmp_path / LOCK_NAME}, left by pid {proc.pid}" in said and "no longer exists" in said
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
     lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_without_flock_the_file_is_the_lock(tmp_path, monkeypatch, caplog):
+def test_without_flock_the_file_is_the_lock(tmp_path, monkeypatch, lock_log):
     """On a file system without locks (an NFS mount with nolock, some FUSE file systems) O_EXCL creation is the lock
     and what the file names decides: a live process refuses, a dead one on this host is taken over."""
     import praisonai_accel.run_dir.lock as run_lock
@@ -67,21 +88,19 @@ def test_without_flock_the_file_is_the_lock(tmp_path, monkeypatch, caplog):
     with pytest.raises(RunLocked, match="it is still running"):
         RunLock(tmp_path).acquire()
     kill(proc)
-    with caplog.at_level(logging.WARNING, logger="praisonai_accel"):
-        lock = RunLock(tmp_path).acquire()
-    assert "no longer exists" in caplog.text
+    lock = RunLock(tmp_path).acquire()
+    assert "no longer exists" in lock_log.getvalue()
     lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_a_lock_of_another_host_is_refused_unless_it_is_the_same_job(tmp_path, caplog):
+def test_a_lock_of_another_host_is_refused_unless_it_is_the_same_job(tmp_path, lock_log):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node-17", "pid": 4242, "started": "yesterday",
                                                   "job": "slurm:99"}))
     with pytest.raises(RunLocked, match=r"pid 4242 on node-17.*delete .*run.lock"):
         RunLock(tmp_path).acquire()
-    with caplog.at_level(logging.INFO, logger="praisonai_accel"):
-        lock = RunLock(tmp_path, job="slurm:99").acquire()  # the requeued job, on another node after a crash
-    assert "earlier attempt of this job" in caplog.text
+    lock = RunLock(tmp_path, job="slurm:99").acquire()  # the requeued job, on another node after a crash
+    assert "earlier attempt of this job" in lock_log.getvalue()
     lock.release()
     proc = holder(tmp_path, job="rdzv:node0:29500")  # another node of the same job, on this host (tests)
     joined = RunLock(tmp_path, job="rdzv:node0:29500").acquire()

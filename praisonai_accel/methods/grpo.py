@@ -25,6 +25,7 @@ from . import grpo_data
 from .base import TrainingMethod
 from .method_keys import GRPO_METRICS, LOSS_TYPES, GRPOKeys
 from .rewards import RewardError, reward_name
+from .tools import load_tools
 
 # in the batches and sums rollout.py makes (named here too: this module imports no torch until the loss is built)
 FILLER = "filler"
@@ -34,6 +35,13 @@ REWARD_FAILED_EXIT_CODE = 3  # a user's reward function raised or returned somet
 ROLLED = "completion_mask"  # a batch that has been through the rollout holds it
 COMPLETIONS_FILE = "completions.jsonl"
 BUFFER_FILE = "rollout_{rank}.safetensors"  # in a checkpoint taken mid-way through a batch's num_iterations steps
+
+
+TOOL_SUMS = ("tools/calls_sum", "tools/failures_sum", "tools/turns_sum")  # tool_rollout.tool_sums
+
+
+def uses_tools(config) -> bool:
+    return bool(getattr(config, "tools", None) or getattr(config, "environment_factory", None))
 
 
 def rollout_metric_names(names) -> tuple[str, ...]:
@@ -70,10 +78,13 @@ class GRPO(TrainingMethod):
         from .rewards import load_reward_functions
 
         load_reward_functions(config)
+        load_tools(config)
 
     @classmethod
     def cache_identity(cls, config) -> dict:
-        return {"method": config.method, "max_prompt_length": config.max_prompt_length}
+        return {"method": config.method, "max_prompt_length": config.max_prompt_length,
+                **({"tools": config.tools, "environment_factory": config.environment_factory}
+                   if uses_tools(config) else {})}
 
     @classmethod
     def preview_parts(cls, row: dict) -> list[tuple[str, list[int], list[int]]]:
@@ -93,8 +104,11 @@ class GRPO(TrainingMethod):
         self._buffer_step = -1  # the step that generated it
         from .grpo_loss import POLICY_METRICS
 
-        self.metric_names = (*POLICY_METRICS, *rollout_metric_names(self.names))
+        self.metric_names = (*POLICY_METRICS, *rollout_metric_names(self.names), *(TOOL_SUMS if uses_tools(config) else ()))
         self.reward_functions = None  # loaded with the loss module (rewards.load_reward_functions)
+        self.tools = None  # tools.ToolSet, with the loss module, when the config names tools or environments
+        self.environments = None  # tool_rollout.Environments
+        self.template_tools = None  # tool_rollout.TemplateTools
         self.stop_ids: list[int] = []
         self.pad_token_id = 0
         self._eval_batches = 0
@@ -142,7 +156,25 @@ class GRPO(TrainingMethod):
             from .rewards import load_reward_functions
 
             self.reward_functions = load_reward_functions(self.config)
+        if uses_tools(self.config) and self.tools is None:
+            self._load_tools(accelerator, tokenizer)
         return settle_chunking(GRPOLoss(causal_lm, self.config, self.config.chunked_loss), accelerator, tokenizer)
+
+    def _load_tools(self, accelerator, tokenizer) -> None:
+        from ..config import ConfigError
+        from .tool_rollout import Environments, TemplateTools
+
+        if accelerator.distributed_type.name == "FSDP":  # each rank's rollouts take their own number of turns
+            raise ConfigError("tools / environment_factory: multi-turn rollouts run over DDP or one process, not "
+                              "--fsdp; train with LoRA (or QLoRA) over DDP instead")
+        try:
+            self.template_tools = TemplateTools(tokenizer, self.stop_ids)
+        except ValueError as exc:
+            raise ConfigError(f"tools: the model's chat template cannot be used for tool calls: {exc}; use a model "
+                              "(or set chat_template to one) whose tool-call format TRL parses: Qwen 2.5 / 3 / 3.5, "
+                              "Llama 3.1 / 3.2, GLM-4 MoE, GPT-OSS, Gemma 4, LFM2, DeepSeek-R1") from None
+        self.tools = load_tools(self.config)
+        self.environments = Environments(self.tools)
 
     def forward(self, module, batch: dict):
         if ROLLED not in batch:  # evaluation: its prompts are rolled out here (in place, so units() sees them)
@@ -161,7 +193,13 @@ class GRPO(TrainingMethod):
         from . import grpo_loss
 
         out = {**grpo_loss.reward_metrics(sums, self.names), **grpo_loss.token_means(sums)}
-        out["completions/mean_length"] = sums.get(LENGTH, 0.0) / max(sums.get("reward/completions", 0.0), 1.0)
+        completions = max(sums.get("reward/completions", 0.0), 1.0)
+        out["completions/mean_length"] = sums.get(LENGTH, 0.0) / completions
+        if uses_tools(self.config):  # TRL's tools/call_frequency (calls per completion) and tools/failure_frequency
+            calls = sums.get("tools/calls_sum", 0.0)
+            out["tools/call_frequency"] = calls / completions
+            out["tools/failure_frequency"] = sums.get("tools/failures_sum", 0.0) / calls if calls else 0.0
+            out["tools/mean_turns"] = sums.get("tools/turns_sum", 0.0) / completions
         return out
 
     # ---------------------------------------------------------------- rollouts
@@ -261,7 +299,16 @@ class GRPO(TrainingMethod):
                 f.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
         if records:
             self.run.log_table("completions", ["prompt", "completion", "reward"],
-                               [[r["prompt"], r["completion"], r["reward"]] for r in records], step)
+                               [[_shown(r["prompt"]), _shown(r["completion"]), r["reward"]] for r in records], step)
+
+
+def _shown(value) -> str:
+    """A prompt or completion as a table cell: text, or a conversation (a trajectory's turns and tool results)."""
+    if isinstance(value, str):
+        return value
+    return "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" + "".join(
+        f" -> {c.get('function', {}).get('name')}({json.dumps(c.get('function', {}).get('arguments'))})"
+        for c in m.get("tool_calls") or []) for m in value)
 
 
 def _step_of(line: str) -> int | None:

@@ -38,15 +38,16 @@ def prompt_messages(value, system_prompt: str | None) -> list[dict]:
     return messages
 
 
-def encode_prompt(row: dict, tokenizer, max_prompt_length: int, system_prompt: str | None = None
-                  ) -> tuple[list[int], bool]:
-    """(prompt token ids, whether they were cut from the left to max_prompt_length)."""
+def encode_prompt(row: dict, tokenizer, max_prompt_length: int, system_prompt: str | None = None,
+                  tools: list[dict] | None = None) -> tuple[list[int], bool]:
+    """(prompt token ids, whether they were cut from the left to max_prompt_length); `tools`: the JSON schemas
+    the chat template offers the model."""
     prompt = row["prompt"]
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     else:
-        text = tokenizer.apply_chat_template(prompt_messages(prompt, system_prompt), tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(prompt_messages(prompt, system_prompt), tools=tools or None,
+                                             tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     cut = len(ids) > max_prompt_length
     return (ids[-max_prompt_length:] if cut else ids), cut
@@ -69,6 +70,16 @@ class GRPOData:
 
     def __init__(self, tokenizer, config):
         self.tokenizer, self.config = tokenizer, config
+        self._tools = False  # tools.ToolSet (or None) once a row is encoded
+
+    def _schemas(self, row: dict) -> list[dict] | None:
+        if self._tools is False:
+            from .tools import load_tools
+
+            self._tools = load_tools(self.config)
+        if self._tools is None:
+            return None
+        return self._tools.schemas[row.get("environment") if self._tools.multi_environment else None]
 
     def detect_format(self, columns, spec) -> str:
         from ..data import DataError
@@ -86,13 +97,23 @@ class GRPOData:
         from ..data import RowProblem
 
         why = check_prompt(row)
-        return RowProblem("invalid prompt", why) if why else None
+        if why:
+            return RowProblem("invalid prompt", why)
+        config = self.config
+        if (config.tools or config.environment_factory) and isinstance(row.get("prompt"), str):
+            return RowProblem("text prompt with tools", "'prompt' is text, but tools are offered in chat turns; "
+                              "write it as a list of messages ([{\"role\": \"user\", \"content\": ...}])")
+        if isinstance(config.environment_factory, dict) and row.get("environment") not in config.environment_factory:
+            return RowProblem("unknown environment", f"'environment' is {row.get('environment')!r}, not one of "
+                              f"environment_factory's: {', '.join(config.environment_factory)}")
+        return None
 
     def encode(self, row: dict, fmt: str, tokenizer, config, spec):
         from ..data import RowProblem
 
         try:
-            ids, cut = encode_prompt(row, tokenizer, prompt_limit(config), getattr(spec, "system_prompt", None))
+            ids, cut = encode_prompt(row, tokenizer, prompt_limit(config), getattr(spec, "system_prompt", None),
+                                     self._schemas(row))
         except Exception as exc:  # a chat template that cannot render this conversation
             text = str(exc).splitlines()[0] if str(exc) else ""
             return RowProblem("chat template cannot render it",

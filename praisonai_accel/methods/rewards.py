@@ -4,10 +4,12 @@ launch and again in each worker, and called as TRL 1.16's GRPOTrainer._calculate
 A reward function is called with keywords only: `prompts`, `completions` (strings for text prompts; for
 conversational prompts, `[{"role": "assistant", "content": text}]` per completion), `completion_ids` (token id
 lists), `trainer_state` (when the caller has one) and every other column of the dataset, as lists aligned with the
-completions (a prompt's row repeated num_generations times). It returns one float, or None ("not applicable"), per
-completion. Differences from TRL, on purpose: a function without **kwargs gets only the keywords it names (TRL
-would pass it every column and fail); TRL's `log_extra`, `log_metric` and `environments` are not passed, so a
-function that requires them is refused at load. docs/reward_functions.md is the user's page.
+completions (a prompt's row repeated num_generations times), and with environment_factory `environments` (each
+rollout's environment). With tools, a conversational completion is the whole trajectory: the assistant turns (with
+their tool_calls) and the tool messages. It returns one float, or None ("not applicable"), per completion.
+Differences from TRL, on purpose: a function without **kwargs gets only the keywords it names (TRL would pass it
+every column and fail); TRL's `log_extra` and `log_metric` are not passed, so a function that requires them is
+refused at load. docs/reward_functions.md is the user's page.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ log = logging.getLogger("praisonai_accel")
 FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
 
 PASSED = ("prompts", "completions", "completion_ids", "trainer_state")  # what `score` passes beside the columns
-NOT_PASSED = ("log_extra", "log_metric", "environments")  # TRL passes these; praisonai-accel does not
+NOT_PASSED = ("log_extra", "log_metric", "environments")  # TRL passes these; praisonai-accel does not (environments:
+# only with environment_factory)
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # dataset keys TRL leaves out of the keywords
 SIGNATURE = "def reward(prompts, completions, **kwargs) -> list[float | None]"
 
@@ -144,7 +147,9 @@ def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFu
             func = exact_match if attribute == "exact_match" else format_reward(config.reward_format_pattern)
         else:
             func = _import(module, attribute, f"reward_funcs[{index}]", base_dir)
-        functions.append(_checked(entry.strip(), func, float(weight), f"reward_funcs[{index}]: {entry.strip()}"))
+        extra = ("environments",) if getattr(config, "environment_factory", None) else ()
+        functions.append(_checked(entry.strip(), func, float(weight), f"reward_funcs[{index}]: {entry.strip()}",
+                                  extra))
     return functions
 
 
@@ -160,7 +165,7 @@ def _import(module_name: str, attribute: str, where: str, base_dir: Path | None)
     return func
 
 
-def _checked(name: str, func: Callable, weight: float, where: str) -> RewardFunction:
+def _checked(name: str, func: Callable, weight: float, where: str, extra: tuple[str, ...] = ()) -> RewardFunction:
     """A RewardFunction for `func` if TRL's call can reach it: prompts= and completions= by keyword, every other
     parameter without a default a keyword that is passed (a column, completion_ids, trainer_state)."""
     try:
@@ -178,13 +183,16 @@ def _checked(name: str, func: Callable, weight: float, where: str) -> RewardFunc
     if missing:
         raise ConfigError(f"{where}: it does not take {' or '.join(f'{k}=' for k in missing)}; reward functions "
                           f"are called as TRL calls them: {SIGNATURE}")
-    required = [n for n, p in named.items() if p.default is p.empty and n not in PASSED]
+    required = [n for n, p in named.items() if p.default is p.empty and n not in PASSED and n not in extra]
     singular = [n for n in required if n in NOT_COLUMNS and n not in PASSED]
     if singular:
         raise ConfigError(f"{where}: it requires '{singular[0]}', which is never passed (the batch comes as "
                           f"{singular[0]}s=); define it as {SIGNATURE}")
     unsupported = [n for n in required if n in NOT_PASSED]
     if unsupported:
+        if unsupported[0] == "environments":
+            raise ConfigError(f"{where}: it requires 'environments', which is passed only with environment_factory; "
+                              "set environment_factory or give the parameter a default (None)")
         raise ConfigError(f"{where}: it requires '{unsupported[0]}', which TRL passes but praisonai-accel does not; "
                           f"give it a default (None)")
     return RewardFunction(name, func, weight, takes_all, frozenset(named), tuple(required))
@@ -212,7 +220,8 @@ def where(row) -> str:
 
 
 def score(functions: Sequence[RewardFunction], prompts: list, completions: list, completion_ids: list,
-          columns: dict[str, list], rows: Sequence, trainer_state: TrainerState | None = None):
+          columns: dict[str, list], rows: Sequence, trainer_state: TrainerState | None = None,
+          extra: dict | None = None):
     """[N, F] float32 rewards of N completions by F functions, NaN where a function returned None (TRL: not
     applicable; the weighted total skips it, grpo_loss.weighted_rewards). `columns`: the dataset's other columns,
     each a list aligned with the completions; `rows`: each completion's dataset row (an index, or a place such as
@@ -225,6 +234,7 @@ def score(functions: Sequence[RewardFunction], prompts: list, completions: list,
     keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     if trainer_state is not None:
         keywords["trainer_state"] = trainer_state
+    keywords.update(extra or {})  # environments
     rewards = torch.full((n, len(functions)), float("nan"), dtype=torch.float32)
     for j, function in enumerate(functions):
         given = keywords if function.takes_all else {k: v for k, v in keywords.items() if k in function.keywords}

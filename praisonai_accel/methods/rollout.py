@@ -13,8 +13,9 @@ import hashlib
 
 import torch
 
-from . import grpo_loss
+from . import grpo_loss, tool_rollout
 from .generation import positions_of, sample_completions
+from .method_keys import prompt_limit
 from .grpo import FILLER, LENGTH
 
 
@@ -50,40 +51,54 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple, tra
     config, tokenizer = method.config, method.run.tokenizer
     g = config.num_generations
     device = accelerator.device
-    prompt_ids = batch["input_ids"].to(device).repeat_interleave(g, 0)
-    prompt_mask = batch["attention_mask"].to(device).repeat_interleave(g, 0)
     forward, all_done = _generation_forward(accelerator, module)
-    generators = [torch.Generator(device=device).manual_seed(sampling_seed(*key, *row)) for row in
-                  batch["row_numbers"].tolist()]
-    with torch.no_grad(), accelerator.autocast():
-        completions, keep, ended = sample_completions(
-            forward, prompt_ids, prompt_mask, max_new_tokens=config.max_completion_length,
-            temperature=config.temperature, top_p=config.top_p, stop_ids=method.stop_ids, pad_id=method.pad_token_id,
-            generators=generators, all_done=all_done)
-    loss_mask = keep & ended[:, None] if config.mask_truncated_completions else keep
+    rows = batch["rows"]
+    prompts = [row["prompt"] for row in rows for _ in range(g)]
+    extra, tool_sums = {}, {}
+    if method.tools is None:
+        prompt_ids = batch["input_ids"].to(device).repeat_interleave(g, 0)
+        prompt_mask = batch["attention_mask"].to(device).repeat_interleave(g, 0)
+        generators = [torch.Generator(device=device).manual_seed(sampling_seed(*key, *row)) for row in
+                      batch["row_numbers"].tolist()]
+        with torch.no_grad(), accelerator.autocast():
+            completions, keep, ended = sample_completions(
+                forward, prompt_ids, prompt_mask, max_new_tokens=config.max_completion_length,
+                temperature=config.temperature, top_p=config.top_p, stop_ids=method.stop_ids,
+                pad_id=method.pad_token_id, generators=generators, all_done=all_done)
+        trained = keep
+        texts = tokenizer.batch_decode([c[k].tolist() for c, k in zip(completions, keep)], skip_special_tokens=True)
+        completion_values = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                             for t, p in zip(texts, prompts)]
+    else:
+        trajectories, environments = _tool_rollouts(method, accelerator, forward, all_done, batch, key)
+        tensors = tool_rollout.padded(trajectories, method.pad_token_id, device)
+        prompt_ids, prompt_mask = tensors["prompt_ids"], tensors["prompt_mask"]
+        completions, keep, trained, ended = (tensors[k] for k in ("completions", "keep", "trained", "ended"))
+        completion_values = [r.messages for r in trajectories]
+        texts = [tokenizer.decode(r.completion, skip_special_tokens=False) for r in trajectories]
+        tool_sums = {k: torch.tensor(v, dtype=torch.float64, device=device)
+                     for k, v in tool_rollout.tool_sums(trajectories).items()}
+        if method.tools.factories:
+            extra["environments"] = environments
+    loss_mask = trained & ended[:, None] if config.mask_truncated_completions else trained
     input_ids = torch.cat([prompt_ids, completions], dim=1)
     attention_mask = torch.cat([prompt_mask, keep.long()], dim=1)
     labels = torch.full_like(input_ids, -100)
     labels[:, prompt_ids.size(1):] = completions.masked_fill(~loss_mask, -100)
 
-    rows = batch["rows"]
-    texts = tokenizer.batch_decode([c[k].tolist() for c, k in zip(completions, keep)], skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows for _ in range(g)]
-    conversational = [isinstance(p, list) for p in prompts]
-    completion_values = [[{"role": "assistant", "content": t}] if conv else t for t, conv in zip(texts, conversational)]
     column_names = sorted({k for row in rows for k in row if k != "prompt"})
     columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in column_names}
     evaluation = len(key) > 1 and key[1] == "eval"
     where = [_where(config, n, evaluation) for n in batch["row_numbers"].tolist() for _ in range(g)]
     ids = [c[k].tolist() for c, k in zip(completions, keep)]
     rewards = torch.as_tensor(score(method.reward_functions, prompts, completion_values, ids, columns, where,
-                                    trainer_state), dtype=torch.float32, device=device).reshape(len(texts), -1)
+                                    trainer_state, extra), dtype=torch.float32, device=device).reshape(len(texts), -1)
     weights = torch.as_tensor([f.weight for f in method.reward_functions], dtype=torch.float32, device=device)
     total = grpo_loss.weighted_rewards(rewards, weights)
 
     units = grpo_loss.loss_units(loss_mask, config.loss_type, config.max_completion_length)
-    sums = {LENGTH: keep.sum().double()}  # the reward sums come with the advantages (set_advantages)
-    records = [{"prompt": prompts[i], "completion": texts[i],
+    sums = {LENGTH: keep.sum().double(), **tool_sums}  # the reward sums come with the advantages (set_advantages)
+    records = [{"prompt": prompts[i], "completion": completion_values[i] if method.tools else texts[i],
                 "rewards": {name: _number(rewards[i, f]) for f, name in enumerate(method.names)},
                 "reward": _number(total[i])} for i in range(len(texts))]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": positions_of(attention_mask),
@@ -92,6 +107,35 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple, tra
     if batch.get(FILLER):
         out[FILLER] = True
     return out
+
+
+def _tool_rollouts(method, accelerator, forward, all_done, batch: dict, key: tuple):
+    """(the micro-batch's trajectories, each rollout's environment): rollout j of a prompt samples turn t from a
+    generator seeded with (key, its row, j, t)."""
+    from .grpo_data import prompt_messages
+
+    config, g, device = method.config, method.config.num_generations, accelerator.device
+    rows = [row for row in batch["rows"] for _ in range(g)]
+    numbers = [tuple(n) for n in batch["row_numbers"].tolist() for _ in range(g)]
+    evaluation = len(key) > 1 and key[1] == "eval"
+    specs = (config.eval_dataset or config.dataset) if evaluation else config.dataset  # a row's: its system_prompt
+    systems = [getattr(specs[n[0]], "system_prompt", None) if n[0] < len(specs) else None for n in numbers]
+    environments, observations = method.environments.reset(rows)
+    prompts = [tool_rollout.with_observation(prompt_messages(row["prompt"], system), seen)
+               for row, system, seen in zip(rows, systems, observations)]
+    schemas = [method.tools.schemas[method.environments.name_of(row)] for row in rows]
+    sampler = tool_rollout.PolicySampler(forward, config.temperature, config.top_p, method.stop_ids,
+                                         method.pad_token_id, device, all_done)
+
+    def generator_for(i: int, turn: int):
+        return torch.Generator(device=device).manual_seed(sampling_seed(*key, *numbers[i], i % g, turn))
+
+    with torch.no_grad(), accelerator.autocast():
+        trajectories = tool_rollout.run_tool_rollouts(
+            sampler, method.template_tools, method.tools, prompts, schemas, environments, generator_for,
+            max_prompt_length=prompt_limit(config), max_completion_length=config.max_completion_length,
+            max_iterations=config.max_tool_calling_iterations)
+    return trajectories, environments
 
 
 def set_advantages(method, accelerator, scored: list[dict]) -> None:

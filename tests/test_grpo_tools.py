@@ -1,0 +1,146 @@
+"""GRPO with tools through the CLI, with real processes, on a tiny model taught to call an add tool
+(praisonai_accel.demo.agent): 2 processes x B prompts give the run of 1 process x 2B (trajectories, losses, tool
+metrics, adapter), SIGKILL + the same command resumes with the same trajectories and adapter, a tool that raises or
+hangs is counted and the run goes on, and a bad tool definition is one line before launch."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from conftest import cli, load_adapter, read_metrics, read_summary, write_config
+from test_checkpoint import TWO, start, wait_for_step
+from test_training import workers_left
+
+pytest.importorskip("trl")
+
+TOOLS = '''
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    if a > 80:
+        raise ValueError("numbers above 80 are not supported")
+    if a < 10:
+        time.sleep(3)  # past tool_timeout: abandoned
+    print("add was called")  # to the rank's log file, never the console
+    return a + b
+
+
+def undocumented(a: int) -> int:
+    return a
+'''
+REWARDS = '''
+def correct(completions, answer, **kwargs):
+    return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+
+def used_a_tool(completions, **kwargs):
+    return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+'''
+AGENT = dict(method="grpo", tools=["agent_tools:add"], reward_funcs=["rewards:correct", "rewards:used_a_tool"],
+             num_generations=4, max_completion_length=96, max_seq_length=160, max_prompt_length=48,
+             max_tool_calling_iterations=2, tool_timeout=0.5, learning_rate=5e-3, logging_steps=1, warmup_steps=0,
+             num_completions_to_print=8, lora_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    from praisonai_accel.demo.agent import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("agent") / "tool-model")
+
+
+def _config(directory, model, **overrides):
+    from praisonai_accel.demo.agent import add_records
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "agent_tools.py").write_text(TOOLS)
+    (directory / "rewards.py").write_text(REWARDS)
+    data = directory / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in add_records(64, seed=1)))
+    return write_config(directory, model, data, **{**AGENT, "dataset": [{"name": str(data)}], **overrides})
+
+
+def _trajectories(out):
+    return [json.loads(line) for line in (out / "logs" / "completions.jsonl").read_text().splitlines()]
+
+
+def _steps(out):
+    return [m for m in read_metrics(out) if "loss" in m]
+
+
+def _adapter_diff(a, b):
+    wa, wb = load_adapter(a / "lora_model"), load_adapter(b / "lora_model")
+    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
+
+
+def test_2_processes_x_B_give_the_trajectories_and_adapter_of_1_process_x_2B_and_failing_tools_are_counted(
+        tmp_path, tool_model):
+    for name, flags, batch in (("2xB", TWO, 8), ("1x2B", ("--cpu",), 16)):
+        # Adam turns summation-order noise in near-zero gradients into whole steps: a small rate keeps it below 1e-5
+        config = _config(tmp_path / name, tool_model, max_steps=3, per_device_train_batch_size=batch, learning_rate=1e-3)
+        result = cli("train", str(config), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "add was called" not in result.stdout + result.stderr
+    two, one = tmp_path / "2xB" / "out", tmp_path / "1x2B" / "out"
+    steps = _steps(two)
+    for key in ("loss", "reward", "rewards/correct/mean", "tools/call_frequency", "tools/failure_frequency",
+                "tools/mean_turns", "completions/mean_length"):
+        assert max(abs(a[key] - b[key]) for a, b in zip(steps, _steps(one))) <= 1e-5, key
+    assert _trajectories(two) == _trajectories(one)
+    assert _adapter_diff(two, one) <= 1e-5
+    # the model calls its tool; some calls fail (a > 80 raises, a < 10 hangs past tool_timeout) and the run goes on
+    assert all(m["tools/call_frequency"] >= 0.4 for m in steps), steps
+    assert any(m["tools/failure_frequency"] > 0 for m in steps), steps
+    trajectories = _trajectories(two)
+    tool_results = [m["content"] for t in trajectories for m in t["completion"] if m["role"] == "tool"]
+    assert any(r.isdigit() for r in tool_results), tool_results
+    failures = [r for r in tool_results if "error" in r]
+    assert all("not supported" in r or "did not answer within 0.5 seconds" in r for r in failures), failures
+    assert "add was called" in (two / "logs" / "rank-0.log").read_text()
+    assert read_summary(two)["global_step"] == 3
+
+
+def test_sigkill_then_resume_gives_the_same_trajectories_and_adapter(tmp_path, tool_model):
+    exact = dict(max_steps=5, per_device_train_batch_size=8, use_gradient_checkpointing=True)
+    result = cli("train", str(_config(tmp_path / "reference", tool_model, **exact)), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = tmp_path / "reference" / "out"
+    config = _config(tmp_path / "killed", tool_model, save_steps=1, **exact)
+    out = tmp_path / "killed" / "out"
+    proc = start(config, *TWO)
+    wait_for_step(out, 3, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert not (out / "train_summary.json").exists(), "the run finished before it could be killed"
+    assert not workers_left(config)
+    result = cli("train", str(config), *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr
+    assert _trajectories(out) == _trajectories(reference)
+    assert [m["loss"] for m in _steps(out)] == [m["loss"] for m in _steps(reference)]
+    assert _adapter_diff(out, reference) <= 1e-6
+
+
+@pytest.mark.parametrize("tools, words", [
+    (["agent_tools:undocumented"], "tools[0]: agent_tools:undocumented: undocumented cannot be a tool"),
+    (["agent_tools:add", "agent_tools:add"], "is listed already"),
+    (["agent_tools:absent"], "has no attribute 'absent'"),
+    (["agent_tools"], "is not \"package.module:name\""),
+])
+def test_a_bad_tool_is_one_line_before_launch(tmp_path, tool_model, tools, words):
+    config = _config(tmp_path, tool_model, max_steps=1, per_device_train_batch_size=4, tools=tools)
+    result = cli("train", str(config), "--cpu")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -1,0 +1,227 @@
+"""Multi-turn tool rollouts on token ids (methods/tool_rollout.py, methods/tools.py), in process: per chat-template
+family (TRL's verbatim templates), a trajectory's ids and trained mask equal what the template renders for the final
+conversation; the model's tokens are kept as sampled; tools that raise, hang, print or answer at length."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from praisonai_accel.demo.text import make_tiny_model
+from praisonai_accel.methods.tool_rollout import TemplateTools, padded, run_tool_rollouts
+from praisonai_accel.methods.tools import ToolSet, call_tool, schema_of
+
+trl = pytest.importorskip("trl")
+TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+# family: (TRL's template, the special tokens it uses, its end-of-turn token, the template a trajectory is compared
+# with: Qwen3's own drops earlier turns' thinking, so TRL trains Qwen3 with its prefix-preserving training template)
+FAMILIES = {
+    "qwen2_5": ("qwen2_5", ["<tool_call>", "</tool_call>"], "<|im_end|>", "qwen2_5"),
+    "qwen3": ("qwen3", ["<tool_call>", "</tool_call>", "<think>", "</think>"], "<|im_end|>", "qwen3_training"),
+    "llama3_1": ("llama3_1", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                              "<|python_tag|>", "<|eom_id|>"], "<|eot_id|>", "llama3_1"),
+}
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def broken(text: str) -> str:
+    """Always fails.
+
+    Args:
+        text: Anything.
+    """
+    raise RuntimeError("the service is down")
+
+
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def chatty(text: str) -> dict:
+    """Prints, and answers at length.
+
+    Args:
+        text: What to repeat.
+    """
+    print("a tool's own output")
+    return {"echo": text * 100}
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny")
+
+
+def family_tokenizer(tiny_dir, family: str):
+    from transformers import AutoTokenizer
+
+    template, specials, end, _ = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.eos_token = end
+    return tokenizer
+
+
+def tool_set(*functions, timeout: float = 5.0, max_length: int = 4096) -> ToolSet:
+    schemas = [schema_of(f, f.__name__) for f in functions]
+    return ToolSet({f.__name__: f for f in functions}, {}, {None: schemas}, timeout, max_length)
+
+
+class Scripted:
+    """A 'model' whose turn t is the next stretch, up to its end-of-turn token, of `script` (the template's
+    rendering of the conversation it should produce): what a model that learnt the template would sample."""
+
+    def __init__(self, script: list[int], stop_id: int):
+        self.script, self.stop_id, self.calls = script, stop_id, []
+
+    def __call__(self, inputs, budgets, generators):
+        out = []
+        for ids, budget in zip(inputs, budgets):
+            assert self.script[:len(ids)] == ids, "the rollout's sequence so far is not the template's"
+            rest = self.script[len(ids):]
+            turn = rest[:rest.index(self.stop_id) + 1]
+            out.append((turn[:budget], len(turn) <= budget))
+            self.calls.append(len(ids))
+        return out
+
+
+def rendered(tokenizer, messages, schemas, template: str, **kwargs):
+    template_text = (TEMPLATES / f"{template}.jinja").read_text()
+    text = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, chat_template=template_text, **kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_trajectory_is_the_templates_rendering_of_its_conversation_and_trains_only_the_models_tokens(tiny_dir, family):
+    tokenizer = family_tokenizer(tiny_dir, family)
+    stop = tokenizer.eos_token_id
+    template = TemplateTools(tokenizer, [stop])
+    tools = tool_set(add)
+    schemas = tools.schemas[None]
+    prompt = [{"role": "user", "content": "add 3 and 4, then add 5 to it"}]
+    call = lambda a, b: {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}]}
+    conversation = prompt + [call(3, 4), {"role": "tool", "name": "add", "content": "7"}, call(7, 5),
+                             {"role": "tool", "name": "add", "content": "12"},
+                             {"role": "assistant", "content": "the answer is 12"}]
+    compared = FAMILIES[family][3]
+    script = rendered(tokenizer, conversation, schemas, compared)
+    model = Scripted(script, stop)
+    [trajectory] = run_tool_rollouts(model, template, tools, [prompt], [schemas], [None], lambda i, t: None,
+                                     max_prompt_length=4096, max_completion_length=4096, max_iterations=None)
+    sequence = trajectory.prompt_ids + trajectory.completion
+    assert trajectory.ended and trajectory.turns == 3 and trajectory.calls == 2 and trajectory.failures == 0
+    # the whole conversation, token for token, up to the last turn's end (templates may add a newline after it)
+    assert sequence == script[:len(sequence)] and tokenizer.decode(script[len(sequence):]).strip() == ""
+    # trained: exactly each assistant turn as the template renders it after its generation prompt, end token included
+    expected = [0] * len(script)
+    for k, message in enumerate(conversation):
+        if message["role"] == "assistant":
+            start = len(rendered(tokenizer, conversation[:k], schemas, compared, add_generation_prompt=True))
+            end = script.index(stop, start)
+            expected[start:end + 1] = [1] * (end + 1 - start)
+    assert [0] * len(trajectory.prompt_ids) + trajectory.trained == expected[:len(sequence)]
+    # what the reward functions see: the turns as messages, tool calls parsed with their typed arguments
+    assert [m["role"] for m in trajectory.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert trajectory.messages[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 3, "b": 4}}
+    assert trajectory.messages[3]["content"] == "12" and trajectory.messages[4]["content"].endswith("the answer is 12")
+    tensors = padded([trajectory], tokenizer.pad_token_id, "cpu")
+    assert tensors["trained"].sum() == sum(trajectory.trained) and tensors["keep"].sum() == len(trajectory.completion)
+
+
+def test_max_tool_calling_iterations_and_the_completion_budget_end_a_rollout(tiny_dir):
+    tokenizer = family_tokenizer(tiny_dir, "qwen2_5")
+    stop = tokenizer.eos_token_id
+    template, tools = TemplateTools(tokenizer, [stop]), tool_set(add)
+    schemas = tools.schemas[None]
+    prompt = [{"role": "user", "content": "add"}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    conversation = prompt + [turn, {"role": "tool", "name": "add", "content": "3"}] * 3 + [turn]
+    script = rendered(tokenizer, conversation, schemas, "qwen2_5")
+    run = lambda **kw: run_tool_rollouts(Scripted(script, stop), template, tools, [prompt], [schemas], [None],
+                                         lambda i, t: None, max_prompt_length=4096, **kw)[0]
+    once = run(max_completion_length=4096, max_iterations=1)
+    assert (once.turns, once.calls, once.iterations) == (2, 1, 1) and once.ended
+    none = run(max_completion_length=4096, max_iterations=0)
+    assert (none.turns, none.calls) == (1, 0)
+    first_turn = len(run(max_completion_length=4096, max_iterations=0).completion)
+    # room for the first turn and its result, none for an answer: the result is dropped, as TRL drops overlong ones
+    tight = run(max_completion_length=first_turn + 5, max_iterations=None)
+    assert tight.turns == 1 and tight.calls == 1 and len(tight.completion) == first_turn
+    assert [m["role"] for m in tight.messages] == ["assistant"]
+
+
+def test_a_tool_that_raises_hangs_prints_or_answers_at_length_reads_as_its_result_and_is_counted(capsys, caplog):
+    functions = {f.__name__: f for f in (add, broken, slow, chatty)}
+    call = lambda name, **arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}
+    assert call_tool(functions, call("add", a=2, b=3), 5, 100) == ("add", "5", False)
+    assert call_tool(functions, call("broken", text="x"), 5, 100) == ("broken", "{'error': 'the service is down'}", True)
+    started = time.monotonic()
+    name, text, failed = call_tool(functions, call("slow", seconds=30), 0.3, 100)
+    assert failed and "did not answer within 0.3 seconds" in text and time.monotonic() - started < 5
+    assert call_tool(functions, call("missing"), 5, 100) == ("missing", "{'error': 'Tool missing not found.'}", True)
+    name, text, failed = call_tool(functions, call("add", a=1), 5, 100)  # a required argument left out
+    assert failed and "error" in text
+    from praisonai_accel.methods.tools import route_tool_output
+
+    route_tool_output()
+    name, text, failed = call_tool(functions, call("chatty", text="abc"), 5, 40)
+    assert not failed and text.startswith('{"echo": "abcabc') and "cut at max_tool_result_length: 40" in text
+    assert len(text.split("...")[0]) == 40
+    assert "a tool's own output" not in capsys.readouterr().out
+
+
+def test_bad_tool_definitions_are_one_line_before_launch(tmp_path):
+    from praisonai_accel.config import ConfigError
+    from praisonai_accel.methods.tools import load_tools
+
+    (tmp_path / "agent_tools.py").write_text(
+        "def untyped(a):\n    '''Doc.\n\n    Args:\n        a: x\n    '''\n    return a\n\n"
+        "def nodoc(a: int) -> int:\n    return a\n\n"
+        "def add(a: int) -> int:\n    '''Add.\n\n    Args:\n        a: x\n    '''\n    return a\n\n"
+        "class Env:\n    def reset(self, **row):\n        return None\n\n    def add(self, a: int) -> int:\n        '''Add.\n\n        Args:\n            a: x\n        '''\n"
+        "        return a\n\nclass NoReset:\n    pass\n")
+
+    class Config:
+        tools, environment_factory, tool_timeout, max_tool_result_length = None, None, 5.0, 100
+
+    def error(**keys) -> str:
+        config = Config()
+        for key, value in keys.items():
+            setattr(config, key, value)
+        with pytest.raises(ConfigError) as caught:
+            load_tools(config, tmp_path)
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    assert "tools[0]: agent_tools:untyped" in error(tools=["agent_tools:untyped"])
+    assert "docstring" in error(tools=["agent_tools:nodoc"]).lower()
+    assert "listed already" in error(tools=["agent_tools:add", "agent_tools:add"])
+    assert "has the name of a tool" in error(tools=["agent_tools:add"], environment_factory="agent_tools:Env")
+    assert "no reset()" in error(environment_factory="agent_tools:NoReset")
+    assert "no module named 'nowhere'" in error(tools=["nowhere:add"])

@@ -27,9 +27,9 @@ def add(a: int, b: int) -> int:
         a: The first number.
         b: The second number.
     """
-    if a > 80:
-        raise ValueError("numbers above 80 are not supported")
-    if a < 10:
+    if a == 7:
+        raise ValueError("7 is not supported")
+    if a == 3:
         time.sleep(3)  # past tool_timeout: abandoned
     print("add was called")  # to the rank's log file, never the console
     return a + b
@@ -98,7 +98,7 @@ def test_2_processes_x_B_give_the_trajectories_and_adapter_of_1_process_x_2B_and
         assert max(abs(a[key] - b[key]) for a, b in zip(steps, _steps(one))) <= 1e-5, key
     assert _trajectories(two) == _trajectories(one)
     assert _adapter_diff(two, one) <= 1e-5
-    # the model calls its tool; some calls fail (a > 80 raises, a < 10 hangs past tool_timeout) and the run goes on
+    # the model calls its tool; some calls fail (a = 7 raises, a = 3 hangs past tool_timeout) and the run goes on
     assert all(m["tools/call_frequency"] >= 0.4 for m in steps), steps
     assert any(m["tools/failure_frequency"] > 0 for m in steps), steps
     trajectories = _trajectories(two)
@@ -144,3 +144,14 @@ def test_a_bad_tool_is_one_line_before_launch(tmp_path, tool_model, tools, words
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_demo_agent_teaches_a_tiny_model_to_use_its_tool_from_a_reward(tmp_path):
+    result = cli("demo", "--method", "agent", "--dir", str(tmp_path / "demo"), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("success on 100 held-out prompts"))
+    before, after = (int(word[:-1]) for word in line.split() if word.endswith("%"))
+    assert after >= before + 10, line
+    steps = [m for m in read_metrics(tmp_path / "demo" / "agent_outputs") if "reward" in m]
+    assert steps[-1]["reward"] > steps[0]["reward"] + 0.05 and steps[-1]["tools/call_frequency"] > 0.5, steps
+    assert "Loading weights" not in result.stdout + result.stderr

@@ -13,10 +13,12 @@ def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
     steps: int | None = typer.Option(None, "--steps", min=1,
-                                     help="optimizer steps (250 for sft, 30 for dpo and reward, 150 for grpo, 120 for --vision)"),
+                                     help="optimizer steps (250 for sft, 30 for dpo and reward, 150 for grpo, 40 for agent, "
+                                          "120 for --vision)"),
     method: str = typer.Option("sft", "--method", help="sft; dpo: teach the SFT demo's model a preference; grpo: "
                                                        "teach it, from a reward, to reverse four names; reward: "
-                                                       "train a reward model on the DPO demo's pairs"),
+                                                       "train a reward model on the DPO demo's pairs; agent: "
+                                                       "teach a model to use a tool, from a reward"),
     vision: bool = typer.Option(False, "--vision",
                                 help="a tiny vision-language model learns the colour of drawn shapes"),
 ) -> None:
@@ -26,7 +28,9 @@ def demo_command(
     names over the three it stops at, showing held-out preference accuracy and generation accuracy before and after.
     --method reward trains a reward model (that model with a score head) on the same pairs, showing held-out reward
     accuracy before and after. --method grpo starts from it
-    too and teaches it, with GRPO and a reward for names in the right place, to reverse four names. --vision: a tiny
+    too and teaches it, with GRPO and a reward for names in the right place, to reverse four names. --method agent
+    teaches a tiny model to call an add tool with the right numbers and say its result (GRPO with tools, multi-turn
+    trajectories), showing held-out success before and after. --vision: a tiny
     vision-language model learns to name the colour of a drawn shape, held-out exact match before and after."""
     if vision:
         from .demo_vision import vision_demo
@@ -36,10 +40,14 @@ def demo_command(
 
             raise ConfigError(f"--vision: the vision demo trains with sft; drop --method {method}")
         return vision_demo(directory, processes, steps)
-    if method not in ("sft", "dpo", "grpo", "reward"):
+    if method not in ("sft", "dpo", "grpo", "reward", "agent"):
         from ..config import ConfigError
 
-        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo, grpo or reward")
+        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo, grpo, reward or agent")
+    if method == "agent":  # commands/demo_agent.py
+        from .demo_agent import agent_demo
+
+        return agent_demo(directory, processes, steps)
     if method == "reward":  # commands/demo_reward.py
         from .demo_reward import reward_demo
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from .text import make_tiny_model
 
+HIGHEST = 9  # the numbers of the task: one token each, which a 2-layer model learns to copy
+
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}"
     "({{ t.function.parameters.properties | list | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
@@ -40,7 +42,7 @@ def add_records(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        a, b = rng.randint(0, HIGHEST), rng.randint(0, HIGHEST)
         rows.append({"prompt": [{"role": "user", "content": f"add {a} and {b}"}], "answer": str(a + b)})
     return rows
 
@@ -51,7 +53,7 @@ def conversation(a: int, b: int) -> list[dict]:
             {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
 
 
-def make_tool_model(directory: Path, steps: int = 150, seed: int = 0) -> Path:
+def make_tool_model(directory: Path, steps: int = 250, seed: int = 0) -> Path:
     """The tiny model, taught `steps` steps on add-tool conversations (more steps, fewer malformed calls)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +75,7 @@ def make_tool_model(directory: Path, steps: int = 150, seed: int = 0) -> Path:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        texts = [tokenizer.apply_chat_template(conversation(rng.randint(0, 99), rng.randint(0, 99)), tools=schemas,
+        texts = [tokenizer.apply_chat_template(conversation(rng.randint(0, HIGHEST), rng.randint(0, HIGHEST)), tools=schemas,
                                                tokenize=False) for _ in range(16)]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -90,3 +92,65 @@ def _schema() -> dict:
     from transformers.utils import get_json_schema
 
     return get_json_schema(add)
+
+
+def answer_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last turn says the sum after calling add; otherwise 0.25 for each number the call got right (a
+    signal to learn from while the answers are still wrong)."""
+    out = []
+    for prompt, completion, expected in zip(prompts, completions, answer):
+        wanted = [int(word) for word in prompt[-1]["content"].split() if word.isdigit()]
+        said = completion[-1]["content"].strip() if completion[-1]["role"] == "assistant" else ""
+        called = any(m["role"] == "tool" for m in completion)
+        if said == expected and called:
+            out.append(1.0)
+            continue
+        arguments = next((c["function"].get("arguments") for m in completion for c in m.get("tool_calls") or []), None)
+        arguments = arguments if isinstance(arguments, dict) else {}
+        out.append(0.25 * sum(arguments.get(k) == v for k, v in zip("ab", wanted)))
+    return out
+
+
+class GreedySampler:
+    """Greedy turns through transformers' generate (the demo's before/after check, not training)."""
+
+    def __init__(self, model, tokenizer, stop_ids):
+        self.model, self.tokenizer, self.stop_ids = model, tokenizer, stop_ids
+
+    def __call__(self, inputs, budgets, generators):
+        import torch
+
+        width = max(len(ids) for ids in inputs)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in inputs])
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in inputs])
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max(budgets),
+                                      eos_token_id=self.stop_ids, pad_token_id=pad)[:, width:].tolist()
+        turns = []
+        for row, budget in zip(out, budgets):
+            end = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
+            row = row[:end + 1] if end is not None else row
+            turns.append((row[:budget], end is not None and end < budget))
+        return turns
+
+
+def success_rate(model_dir: Path, rows: list[dict], max_completion_length: int = 96) -> tuple[float, list]:
+    """(the share of `rows` whose greedy trajectory ends with the right sum, after calling add; the trajectories)."""
+    from ..methods.tool_rollout import TemplateTools, run_tool_rollouts
+    from ..methods.tools import ToolSet
+    from transformers.utils import logging as hf_logging
+
+    from ..models.inference import load_for_inference, stop_token_ids
+
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_for_inference(Path(model_dir), device="cpu")
+    stops = stop_token_ids(model, tokenizer)
+    schemas = [_schema()]
+    tools = ToolSet({"add": add}, {}, {None: schemas}, timeout=5.0, max_result_length=200)
+    trajectories = run_tool_rollouts(GreedySampler(model, tokenizer, stops), TemplateTools(tokenizer, stops), tools,
+                                     [r["prompt"] for r in rows], [schemas] * len(rows), [None] * len(rows),
+                                     lambda i, t: None, max_prompt_length=64,
+                                     max_completion_length=max_completion_length, max_iterations=2)
+    scores = answer_reward([r["prompt"] for r in rows], [t.messages for t in trajectories], [r["answer"] for r in rows])
+    return sum(s == 1.0 for s in scores) / len(rows), trajectories

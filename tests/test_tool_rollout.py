@@ -225,3 +225,45 @@ def test_bad_tool_definitions_are_one_line_before_launch(tmp_path):
     assert "has the name of a tool" in error(tools=["agent_tools:add"], environment_factory="agent_tools:Env")
     assert "no reset()" in error(environment_factory="agent_tools:NoReset")
     assert "no module named 'nowhere'" in error(tools=["nowhere:add"])
+
+
+def test_the_agent_example_loads_its_tools_environment_and_rewards_and_its_rows_play_out(tmp_path):
+    """examples/agent as a user runs it, short of the 0.5B model: its config, tools (a plain function and an
+    environment's methods), reward functions (one reads the environments) and generated rows work together."""
+    import importlib.util
+    import sys
+
+    from praisonai_accel.config import load_config
+    from praisonai_accel.methods.rewards import load_reward_functions, score
+    from praisonai_accel.methods.tool_rollout import Environments
+    from praisonai_accel.methods.tools import load_tools, tool_functions
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent"
+    config = load_config(example / "config.yaml")
+    tools = load_tools(config)
+    assert [s["function"]["name"] for s in tools.schemas[None]] == ["multiply", "in_stock", "price"]
+    functions = load_reward_functions(config)
+    sys.path.insert(0, str(example))
+    try:
+        spec = importlib.util.spec_from_file_location("make_data", example / "make_data.py")
+        make_data = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(make_data)
+        rows = make_data.rows(4, seed=1)
+    finally:
+        sys.path.remove(str(example))
+    environments, observations = Environments(tools).reset(rows)
+    assert observations == [None] * 4 and len({id(e) for e in environments}) == 4
+    row, shop = rows[0], environments[0]
+    words = row["prompt"][0]["content"].split()  # "I want N item. ..."
+    wanted, item = int(words[2]), words[3].rstrip(".")
+    call = lambda name, **arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}
+    present = tool_functions(tools, shop)
+    _, count, failed = call_tool(present, call("in_stock", item=item), 5, 100)
+    assert not failed and int(count) == row["stock"][item]
+    _, price, _ = call_tool(present, call("price", item=item), 5, 100)
+    _, total, _ = call_tool(present, call("multiply", a=float(price), b=min(int(count), wanted)), 5, 100)
+    assert abs(float(total) - float(row["answer"])) < 0.01
+    trajectory = [{"role": "assistant", "content": f"You pay {total}"}]
+    rewards = score(functions, [r["prompt"] for r in rows], [trajectory] * 4, [[1]] * 4,
+                    {"answer": [r["answer"] for r in rows]}, [0, 1, 2, 3], None, {"environments": environments})
+    assert rewards[0].tolist() == [1.0, 1.0] and rewards[1, 1] == 0.0  # only the first shop was asked

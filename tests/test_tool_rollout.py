@@ -267,3 +267,74 @@ def test_the_agent_example_loads_its_tools_environment_and_rewards_and_its_rows_
     rewards = score(functions, [r["prompt"] for r in rows], [trajectory] * 4, [[1]] * 4,
                     {"answer": [r["answer"] for r in rows]}, [0, 1, 2, 3], None, {"environments": environments})
     assert rewards[0].tolist() == [1.0, 1.0] and rewards[1, 1] == 0.0  # only the first shop was asked
+
+
+class Counter:
+    def reset(self, start: int = 0, **row):
+        self.value = start
+        return f" (the counter shows {start})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much.
+        """
+        self.value += by
+        return self.value
+
+
+class Echo:
+    def reset(self, **row):
+        return None
+
+    def echo(self, text: str) -> str:
+        """Say it back.
+
+        Args:
+            text: What to say.
+        """
+        return text
+
+
+def test_environments_are_picked_per_row_reset_with_it_and_offer_only_their_own_tools(tiny_dir):
+    from praisonai_accel.methods.tool_rollout import Environments, with_observation
+
+    tokenizer = family_tokenizer(tiny_dir, "qwen2_5")
+    stop = tokenizer.eos_token_id
+    counter, echo = schema_of(Counter.increment, "increment"), schema_of(Echo.echo, "echo")
+    tools = ToolSet({}, {"counter": Counter, "echo": Echo}, {"counter": [counter], "echo": [echo]}, 5.0, 100)
+    rows = [{"prompt": [{"role": "user", "content": "count"}], "environment": "counter", "start": 5},
+            {"prompt": [{"role": "user", "content": "say hi"}], "environment": "echo"}]
+    pool = Environments(tools)
+    environments, observations = pool.reset(rows)
+    assert [type(e) for e in environments] == [Counter, Echo] and observations == [" (the counter shows 5)", None]
+    assert pool.reset(rows)[0][0] is environments[0]  # made once, reset often
+    prompts = [with_observation(r["prompt"], o) for r, o in zip(rows, observations)]
+    assert prompts[0][0]["content"] == "count (the counter shows 5)" and rows[0]["prompt"][0]["content"] == "count"
+    schemas = [tools.schemas[pool.name_of(r)] for r in rows]
+    call = lambda name, **arguments: {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    conversations = [prompts[0] + [call("increment", by=2), {"role": "tool", "name": "increment", "content": "7"},
+                                   {"role": "assistant", "content": "7"}],
+                     prompts[1] + [call("increment", by=1), {"role": "tool", "name": "increment",
+                                                             "content": "{'error': 'Tool increment not found.'}"},
+                                   {"role": "assistant", "content": "sorry"}]]
+    scripts = [rendered(tokenizer, c, s, "qwen2_5") for c, s in zip(conversations, schemas)]
+
+    class TwoScripts:
+        def __call__(self, inputs, budgets, generators):
+            out = []
+            for ids in inputs:
+                script = next(s for s in scripts if s[:len(ids)] == ids)
+                rest = script[len(ids):]
+                out.append((rest[:rest.index(stop) + 1], True))
+            return out
+
+    trajectories = run_tool_rollouts(TwoScripts(), TemplateTools(tokenizer, [stop]), tools, prompts, schemas,
+                                     environments, lambda i, t: None, max_prompt_length=4096,
+                                     max_completion_length=4096, max_iterations=None)
+    assert environments[0].value == 7  # the counter's own method ran, on that rollout's counter
+    assert [(t.calls, t.failures) for t in trajectories] == [(1, 0), (1, 1)]  # echo's row cannot call increment
+    assert "increment" in tokenizer.decode(trajectories[0].prompt_ids)
+    assert "increment" not in tokenizer.decode(trajectories[1].prompt_ids)

@@ -179,5 +179,5 @@ def test_demo_dpo_trains_the_sft_demo_first_then_teaches_it_a_preference_it_does
 def test_demo_refuses_a_method_it_has_no_demo_for_in_one_line(tmp_path):
     result = cli("demo", "--method", "ppo", "--dir", str(tmp_path / "demo"))
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: --method: 'ppo' has no demo; use sft, dpo, grpo or reward"
+    assert result.stderr.strip() == "error: --method: 'ppo' has no demo; use sft, dpo, grpo, reward or agent"
     assert not (tmp_path / "demo").exists()

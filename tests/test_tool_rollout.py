@@ -227,7 +227,7 @@ def test_bad_tool_definitions_are_one_line_before_launch(tmp_path):
     assert "no module named 'nowhere'" in error(tools=["nowhere:add"])
 
 
-def test_the_agent_example_loads_its_tools_environment_and_rewards_and_its_rows_play_out(tmp_path):
+def test_the_agent_example_loads_its_tools_environment_and_rewards_and_its_rows_play_out(tmp_path, monkeypatch):
     """examples/agent as a user runs it, short of the 0.5B model: its config, tools (a plain function and an
     environment's methods), reward functions (one reads the environments) and generated rows work together."""
     import importlib.util
@@ -239,6 +239,8 @@ def test_the_agent_example_loads_its_tools_environment_and_rewards_and_its_rows_
     from praisonai_accel.methods.tools import load_tools, tool_functions
 
     example = Path(__file__).resolve().parents[1] / "examples" / "agent"
+    for name in ("tools", "rewards"):  # another test's rewards.py, imported in this process, is not the example's
+        monkeypatch.delitem(sys.modules, name, raising=False)
     config = load_config(example / "config.yaml")
     tools = load_tools(config)
     assert [s["function"]["name"] for s in tools.schemas[None]] == ["multiply", "in_stock", "price"]

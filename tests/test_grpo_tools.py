@@ -10,8 +10,10 @@ import signal
 
 import pytest
 
-from conftest import cli, load_adapter, read_metrics, read_summary, write_config
+from conftest import cli, read_metrics, read_summary, write_config
 from test_checkpoint import TWO, start, wait_for_step
+from test_grpo_runs import _adapter_diff, _steps
+from test_grpo_runs import _completions as _trajectories
 from test_training import workers_left
 
 pytest.importorskip("trl")
@@ -68,19 +70,6 @@ def _config(directory, model, **overrides):
     data = directory / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in add_records(64, seed=1)))
     return write_config(directory, model, data, **{**AGENT, "dataset": [{"name": str(data)}], **overrides})
-
-
-def _trajectories(out):
-    return [json.loads(line) for line in (out / "logs" / "completions.jsonl").read_text().splitlines()]
-
-
-def _steps(out):
-    return [m for m in read_metrics(out) if "loss" in m]
-
-
-def _adapter_diff(a, b):
-    wa, wb = load_adapter(a / "lora_model"), load_adapter(b / "lora_model")
-    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
 
 
 def test_2_processes_x_B_give_the_trajectories_and_adapter_of_1_process_x_2B_and_failing_tools_are_counted(

@@ -146,14 +146,16 @@ def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFu
         elif module is None:
             func = exact_match if attribute == "exact_match" else format_reward(config.reward_format_pattern)
         else:
-            func = _import(module, attribute, f"reward_funcs[{index}]", base_dir)
+            func = import_callable(module, attribute, f"reward_funcs[{index}]", base_dir)
         extra = ("environments",) if getattr(config, "environment_factory", None) else ()
         functions.append(_checked(entry.strip(), func, float(weight), f"reward_funcs[{index}]: {entry.strip()}",
                                   extra))
     return functions
 
 
-def _import(module_name: str, attribute: str, where: str, base_dir: Path | None) -> Callable:
+def import_callable(module_name: str, attribute: str, where: str, base_dir: Path | None) -> Callable:
+    """module_name.attribute, imported as the config names it (reward functions, tools, environments);
+    ConfigError (one line) when it is missing or not callable."""
     module = import_user_module(module_name, where, base_dir, ConfigError,
                                 "; put {top}.py next to the config file or install it")
     if not hasattr(module, attribute):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, first_line
 from .method_keys import split_entry
-from .user_code import import_user_module
+from .rewards import config_dir, import_callable
 
 FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
 NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that are not tools (TRL's)
@@ -28,15 +28,7 @@ THREAD_PREFIX = "praisonai-tool"
 
 
 def _import(entry: str, where: str, base_dir: Path | None):
-    module_name, name = split_entry(entry, where)
-    module = import_user_module(module_name, where, base_dir, ConfigError,
-                                "; put {top}.py next to the config file or install it")
-    if not hasattr(module, name):
-        raise ConfigError(f"{where}: module '{module_name}' has no attribute '{name}'")
-    value = getattr(module, name)
-    if not callable(value):
-        raise ConfigError(f"{where}: '{entry}' is a {type(value).__name__}, not callable")
-    return value
+    return import_callable(*split_entry(entry, where), where, base_dir)
 
 
 def schema_of(func: Callable, where: str) -> dict:
@@ -76,8 +68,6 @@ class ToolSet:
 def load_tools(config, base_dir: Path | None = None) -> ToolSet | None:
     """The tools and environments the config names, imported and their schemas built; ConfigError (one line) for a
     function without type hints or docstring, a name clash, or an environment without reset(). None without tools."""
-    from .rewards import config_dir
-
     if not config.tools and not config.environment_factory:
         return None
     base_dir = config_dir(config) if base_dir is None else Path(base_dir)

@@ -120,10 +120,11 @@ class GreedySampler:
     def __call__(self, inputs, budgets, generators):
         import torch
 
-        width = max(len(ids) for ids in inputs)
+        from ..methods.generation import left_pad
+
         pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(row)) + row for row in inputs])
-        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in inputs])
+        ids, mask = left_pad(inputs, pad)
+        width = ids.shape[1]
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max(budgets),
                                       eos_token_id=self.stop_ids, pad_token_id=pad)[:, width:].tolist()

@@ -21,6 +21,18 @@ import torch
 from ..models.unwrap import transformers_model
 
 
+def left_pad(rows: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Id lists as one left-padded batch (every row's next token in the last column) and its attention mask."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids, mask
+
+
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded batch: real tokens count from 0; padding gets 0 (it is never attended)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)

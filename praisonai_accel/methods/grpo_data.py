@@ -132,13 +132,9 @@ def collate_prompts(examples: list[dict], pad_token_id: int) -> dict:
     all -100 `labels` (nothing is trained before the rollout, which replaces this batch)."""
     import torch
 
-    rows = [list(e["prompt_input_ids"]) for e in examples]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
+    from .generation import left_pad
+
+    ids, mask = left_pad([list(e["prompt_input_ids"]) for e in examples], pad_token_id)
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.full_like(ids, -100),
             "rows": [row_of(e) for e in examples],
             "row_numbers": torch.as_tensor([list(e["row_number"]) for e in examples], dtype=torch.long)}

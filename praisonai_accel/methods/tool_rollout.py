@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .generation import sample_completions
+from .generation import left_pad, sample_completions
 from .tools import ToolSet, call_tool, route_tool_output, tool_functions
 
 
@@ -99,12 +99,7 @@ class PolicySampler:
     def __call__(self, inputs: list[list[int]], budgets: list[int], generators: list) -> list[tuple[list[int], bool]]:
         """(the turn's ids, up to and including its stop token, whether it stopped) per row; a row gets at most its
         budget of tokens."""
-        width = max(len(ids) for ids in inputs)
-        ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(inputs):
-            ids[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
+        ids, mask = left_pad(inputs, self.pad_id, self.device)
         tokens, keep, ended = sample_completions(
             self.forward, ids, mask, max_new_tokens=max(budgets), temperature=self.temperature, top_p=self.top_p,
             stop_ids=self.stop_ids, pad_id=self.pad_id, generators=generators, all_done=self.all_done)
@@ -166,17 +161,13 @@ def run_tool_rollouts(sampler, template: TemplateTools, tools: ToolSet, prompts:
 def padded(rollouts: list[Trajectory], pad_id: int, device) -> dict[str, torch.Tensor]:
     """The rollouts as tensors: prompts left-padded, completions right-padded; `keep`: completion tokens (tool
     results too), `trained`: the model's own, `ended` per row."""
-    p = max(len(r.prompt_ids) for r in rollouts)
+    prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rollouts], pad_id)
     c = max(max(len(r.completion) for r in rollouts), 1)
     n = len(rollouts)
-    prompt_ids = torch.full((n, p), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, p), dtype=torch.long)
     completions = torch.full((n, c), pad_id, dtype=torch.long)
     keep = torch.zeros((n, c), dtype=torch.bool)
     trained = torch.zeros((n, c), dtype=torch.bool)
     for i, r in enumerate(rollouts):
-        prompt_ids[i, p - len(r.prompt_ids):] = torch.as_tensor(r.prompt_ids)
-        prompt_mask[i, p - len(r.prompt_ids):] = 1
         if r.completion:
             completions[i, :len(r.completion)] = torch.as_tensor(r.completion)
             keep[i, :len(r.completion)] = True

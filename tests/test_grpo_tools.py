@@ -99,6 +99,24 @@ def test_2_processes_x_B_give_the_trajectories_and_adapter_of_1_process_x_2B_and
     assert read_summary(two)["global_step"] == 3
 
 
+def test_under_fsdp_the_ranks_roll_out_their_own_turns_and_sample_what_ddp_samples(tmp_path, tool_model):
+    # each rank's rollouts take their own number of turns and tokens; FSDP2's forwards are collectives, so a rank
+    # done early keeps up with the other: the first step (the same weights) samples exactly what DDP samples
+    full = dict(max_steps=2, per_device_train_batch_size=8, finetune_type="full", final_model_dir="model",
+                learning_rate=1e-5)
+    for name, flags in (("fsdp", (*TWO, "--fsdp")), ("ddp", TWO)):
+        result = cli("train", str(_config(tmp_path / name, tool_model, **full)), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    fsdp, ddp = tmp_path / "fsdp" / "out", tmp_path / "ddp" / "out"
+    assert read_summary(fsdp)["distributed_type"] == "FSDP" and read_summary(fsdp)["global_step"] == 2
+    first = [t for t in _trajectories(fsdp) if t["step"] == _trajectories(fsdp)[0]["step"]]
+    assert first == [t for t in _trajectories(ddp) if t["step"] == first[0]["step"]]
+    assert any(m["role"] == "tool" for t in first for m in t["completion"])
+    a, b = _steps(fsdp)[0], _steps(ddp)[0]
+    for key in ("reward", "tools/call_frequency", "tools/mean_turns", "completions/mean_length"):
+        assert abs(a[key] - b[key]) <= 1e-6, key
+
+
 def test_sigkill_then_resume_gives_the_same_trajectories_and_adapter(tmp_path, tool_model):
     exact = dict(max_steps=5, per_device_train_batch_size=8, use_gradient_checkpointing=True)
     result = cli("train", str(_config(tmp_path / "reference", tool_model, **exact)), *TWO)

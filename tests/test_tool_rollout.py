@@ -176,6 +176,56 @@ def test_max_tool_calling_iterations_and_the_completion_budget_end_a_rollout(tin
     assert [m["role"] for m in tight.messages] == ["assistant"]
 
 
+def test_under_fsdp_a_rank_whose_rollouts_ended_keeps_up_with_the_others_turns_and_tokens(tiny_dir):
+    import torch
+
+    from praisonai_accel.methods.generation import sample_completions
+
+    tokenizer = family_tokenizer(tiny_dir, "qwen2_5")
+    stop = tokenizer.eos_token_id
+    template, tools = TemplateTools(tokenizer, [stop]), tool_set(add)
+    schemas = tools.schemas[None]
+    prompt = [{"role": "user", "content": "add"}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    script = rendered(tokenizer, prompt + [turn, {"role": "tool", "name": "add", "content": "3"},
+                                            {"role": "assistant", "content": "3"}], schemas, "qwen2_5")
+
+    class SyncedScripted(Scripted):  # the other rank's rollouts go on for two turns after this rank's have ended
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.other_turns, self.kept_up = 4, 0
+
+        def all_done(self, finished: bool) -> bool:
+            self.other_turns -= 1
+            return finished and self.other_turns < 0
+
+        def keep_up(self):
+            self.kept_up += 1
+
+    synced = SyncedScripted(script, stop)
+    [alone] = run_tool_rollouts(Scripted(script, stop), template, tools, [prompt], [schemas], [None],
+                                lambda i, t: None, max_prompt_length=4096, max_completion_length=4096,
+                                max_iterations=None)
+    [kept] = run_tool_rollouts(synced, template, tools, [prompt], [schemas], [None], lambda i, t: None,
+                               max_prompt_length=4096, max_completion_length=4096, max_iterations=None)
+    assert synced.kept_up == 2 and (kept.completion, kept.trained) == (alone.completion, alone.trained)
+
+    # within a turn: a rank whose budget (3 tokens) is spent runs forwards until the other rank's rows are done
+    forwards, others = [], iter([False] * 5 + [True])
+
+    def forward(ids, mask, positions, past):
+        forwards.append(ids.shape)
+        return torch.zeros(ids.size(0), 10), None
+
+    tokens, keep, ended = sample_completions(
+        forward, torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), max_new_tokens=3,
+        temperature=1.0, top_p=1.0, stop_ids=[99], pad_id=0, generators=[torch.Generator().manual_seed(0)] * 2,
+        all_done=lambda finished: finished and next(others))
+    assert tokens.shape == (2, 3) and keep.all() and not ended.any()
+    assert len(forwards) == 1 + 2 + 5  # the prompt, its own next two tokens, then one a token until the other is done
+
+
 def test_a_tool_that_raises_hangs_prints_or_answers_at_length_reads_as_its_result_and_is_counted(capsys, caplog):
     functions = {f.__name__: f for f in (add, broken, slow, chatty)}
     call = lambda name, **arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}

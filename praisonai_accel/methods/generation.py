@@ -8,7 +8,8 @@ real tokens only (as generate computes them), and the training forward uses the 
 Sampling draws from torch.Generators the caller seeds (one per prompt's group, or one for the batch); `forward` is
 how the model is called (the unwrapped model, or, under FSDP2, the prepared module, whose every forward is a
 collective); `all_done` (FSDP2) tells whether every
-rank has finished, so a rank whose rows ended keeps running forwards until all have (TRL's synced_gpus).
+rank has finished, so a rank whose rows ended (or whose token budget is spent: the tool rollouts' budgets differ from
+rank to rank) keeps running forwards until all have (TRL's synced_gpus).
 """
 
 from __future__ import annotations
@@ -85,20 +86,22 @@ def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask:
     last = positions[:, -1:]
     done = torch.zeros(prompt_ids.size(0), dtype=torch.bool, device=prompt_ids.device)
     tokens = []
-    for t in range(max_new_tokens):
+    while True:
         token = sample_next(logits, temperature, top_p, generators)
         token = token.masked_fill(done, pad_id)
         tokens.append(token)
         done |= torch.isin(token, stops)
-        if t == max_new_tokens - 1:
-            break
+        if len(tokens) >= max_new_tokens:
+            if all_done is None:
+                break
+            done[:] = True  # this rank's budget is spent; it keeps up the forwards while another rank's is not
         finished = bool(done.all())
         if all_done(finished) if all_done is not None else finished:
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         last = last + 1
         logits, past = forward(token[:, None], mask, last, past)
-    completions = torch.stack(tokens, dim=1)
+    completions = torch.stack(tokens[:max_new_tokens], dim=1)
     keep, ended = completion_mask(completions, stops)
     return completions.masked_fill(~keep, pad_id), keep, ended
 

@@ -157,16 +157,13 @@ class GRPO(TrainingMethod):
 
             self.reward_functions = load_reward_functions(self.config)
         if uses_tools(self.config) and self.tools is None:
-            self._load_tools(accelerator, tokenizer)
+            self._load_tools(tokenizer)
         return settle_chunking(GRPOLoss(causal_lm, self.config, self.config.chunked_loss), accelerator, tokenizer)
 
-    def _load_tools(self, accelerator, tokenizer) -> None:
+    def _load_tools(self, tokenizer) -> None:
         from ..config import ConfigError
         from .tool_rollout import Environments, TemplateTools
 
-        if accelerator.distributed_type.name == "FSDP":  # each rank's rollouts take their own number of turns
-            raise ConfigError("tools / environment_factory: multi-turn rollouts run over DDP or one process, not "
-                              "--fsdp; train with LoRA (or QLoRA) over DDP instead")
         try:
             self.template_tools = TemplateTools(tokenizer, self.stop_ids)
         except ValueError as exc:

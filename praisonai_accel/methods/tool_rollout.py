@@ -110,6 +110,11 @@ class PolicySampler:
             out.append((row[:budget], stopped))
         return out
 
+    def keep_up(self) -> None:
+        """FSDP2: this rank's rollouts have ended while another rank's go on; its forwards are collectives, so it
+        samples a throwaway turn alongside theirs."""
+        self([[self.pad_id]], [1], [torch.Generator(device=self.device)])
+
 
 def run_tool_rollouts(sampler, template: TemplateTools, tools: ToolSet, prompts: list[list[dict]],
                       schemas: list[list[dict]], environments: list, generator_for: Callable[[int, int], object], *,
@@ -121,7 +126,12 @@ def run_tool_rollouts(sampler, template: TemplateTools, tools: ToolSet, prompts:
     functions = [tool_functions(tools, env) for env in environments]
     active = list(range(len(rollouts)))
     turn = 0
-    while active:
+    all_done = getattr(sampler, "all_done", None)
+    while not (all_done(not active) if all_done is not None else not active):
+        if not active:
+            sampler.keep_up()
+            turn += 1
+            continue
         budgets = [max_completion_length - len(rollouts[i].completion) for i in active]
         sampled = sampler([rollouts[i].prompt_ids + rollouts[i].completion for i in active], budgets,
                           [generator_for(i, turn) for i in active])

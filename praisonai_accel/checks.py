@@ -2,17 +2,50 @@
 have been started by `accelerate launch` or torchrun directly). Each rule is written once, here: it raises
 ConfigError with the one line the user sees, and both callers show that line.
 
-Imported by the commands and by the worker; imports only the config, the checkpoint and output-directory modules,
-and (for sequence_parallel_size) the methods and sequence_parallel's pure checks; the method's own rules are its
+`RULES` is their one ordered list, each tagged with the phases it runs in: `launch` (before any process starts, by
+`train`, `--ray`, `slurm` and `k8s` through launcher/prelaunch.check_launch), `worker` (at the worker's setup, before
+the model loads) and `loaded` (once it has loaded: what needs the model's own config). A rule that reads the run's
+files (output_dir, the model's folder) runs only where they are at hand: not when a Kubernetes manifest is generated
+on a machine that will never see the pods' volume. `check_run` runs them.
+
+Imported by the launcher and by the worker; imports only the config, the run directory, the data half's reading of
+a model's files, and (for sequence_parallel_size) sequence_parallel's pure checks; the method's own rules are its
 class's check_config (method_rule).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from .config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
-from .runtime.distributed import device_map_rule  # noqa: F401  (a rule of this list, applied where the worker loads)
+from .data.vision_processor import declares_images
+from .methods import method_for
+from .run_dir import checkpoints as ckpt_dir
+from .run_dir.output_dirs import check_replaceable
+from .runtime.distributed import device_map_rule
+
+
+@dataclass
+class Situation:
+    """Where the rules run and what is known there."""
+
+    config: TrainConfig
+    num_processes: int
+    phase: str  # launch, worker or loaded
+    sees_files: bool = True  # the run's output_dir and local model folder are on this machine
+    model_config: Any = None  # the model's config: read from disk before launch where it can be, the loaded one after
+    reentrant: bool | None = None  # the worker's answer (unsloth's checkpointing is reentrant too); None: the config's
+    distributed_type: str | None = None  # the worker's Accelerator's
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    check: Callable[[Situation], None]
+    phases: tuple[str, ...]
+    reads_files: bool = False
 
 
 def reentrant_rule(config: TrainConfig, num_processes: int, reentrant: bool | None = None) -> None:
@@ -32,22 +65,16 @@ def deepspeed_rule(distributed_type: str, where: str) -> None:
 
 def final_model_dir_rule(config: TrainConfig) -> None:
     """The final save may replace only an earlier final model of ours."""
-    from .run_dir.output_dirs import check_replaceable
-
     check_replaceable(config.final_model_path(), "final_model_dir")
 
 
 def resume_rule(config: TrainConfig, num_processes: int) -> tuple[Path | None, int, str | None]:
     """Where the run starts: (checkpoint or None, micro-batches each rank skips in the resumed epoch, a warning
     when the process layout changed). Refuses another run's checkpoints and a layout that cannot continue."""
-    from .run_dir import checkpoints as ckpt_dir
-
     start = ckpt_dir.checkpoint_to_resume(config.output_path(), config.resume_from_checkpoint, config.run_fingerprint(),
                                       config.overwrite_output_dir, config.run_identity(), config.force_resume)
     if start is None:
         return None, 0, None
-    from .methods import method_for
-
     # The ranks of a sequence-parallel group share their rows: the data-parallel size is what reads the data.
     per_device = config.per_device_train_batch_size
     saved, method = ckpt_dir.CheckpointState.read(start), method_for(config)
@@ -104,3 +131,23 @@ def method_rule(config: TrainConfig) -> None:
     """The training method's own rules (methods/base.TrainingMethod.check_config), such as what GRPO's rollouts
     can do."""
     type(config).training_method.check_config(config)
+
+
+RULES = (
+    Rule("device_map", lambda s: device_map_rule(s.config.device_map, s.num_processes), ("launch",)),
+    Rule("reentrant checkpointing", lambda s: reentrant_rule(s.config, s.num_processes, s.reentrant),
+         ("launch", "worker")),
+    Rule("DeepSpeed", lambda s: deepspeed_rule(s.distributed_type, "accelerate config"), ("worker",)),
+    Rule("sequence parallel", lambda s: sequence_parallel_rule(s.config, s.num_processes, s.model_config),
+         ("launch", "worker", "loaded")),
+    Rule("method", lambda s: method_rule(s.config), ("launch", "worker")),
+    Rule("final model directory", lambda s: final_model_dir_rule(s.config), ("launch", "worker"), reads_files=True),
+    Rule("vision", lambda s: vision_rule(s.config, declares_images(s.config)), ("launch", "loaded"), reads_files=True),
+)
+
+
+def check_run(situation: Situation) -> None:
+    """Every rule of the situation's phase, in order; the first broken one raises its line."""
+    for rule in RULES:
+        if situation.phase in rule.phases and (situation.sees_files or not rule.reads_files):
+            rule.check(situation)

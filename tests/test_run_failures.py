@@ -155,7 +155,8 @@ def test_preflight_warns_of_a_small_dev_shm_and_of_too_little_ram_and_disk(tmp_p
     import os
 
     from praisonai_accel.config import parse_config
-    from praisonai_accel.worker.preflight import local_weight_bytes, resource_warnings
+    from praisonai_accel.models.files import local_weight_bytes
+    from praisonai_accel.worker.preflight import resource_warnings
 
     class SmallShm:
         f_frsize, f_blocks = 4096, 16384  # 64 MiB, Docker's default

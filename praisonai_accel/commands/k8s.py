@@ -26,8 +26,10 @@ def k8s_command(
 ) -> None:
     """Print a manifest for kubectl apply -f -: one `praisonai-accel train` launcher per pod."""
     from ..launcher.kubernetes import KubernetesJob, check_job, render
+    from ..launcher.prelaunch import check_launch
 
     cfg = load_config(config)
+    check_launch(cfg, nodes * gpus_per_node, here=False)
     job = KubernetesJob(config_path=str(config), image=image, nodes=nodes, gpus_per_node=gpus_per_node, kind=kind,
                         name=name, namespace=namespace, pvc=pvc, mount_path=mount_path, cpu=cpu,
                         max_restarts=max_restarts, hf_token_secret=hf_token_secret,

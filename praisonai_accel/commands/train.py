@@ -8,54 +8,11 @@ from typing import Optional
 import typer
 import yaml
 
-from ..checks import (
-    device_map_rule, final_model_dir_rule, method_rule, reentrant_rule, resume_rule, sequence_parallel_rule,
-    vision_rule,
-)
 from ..config import load_config
 from ..data.vision_processor import declares_images
 from ..errors import first_line
-from ..launcher.prelaunch import (
-    check_accelerate_config, check_hub_access, check_local_inputs, check_trackers, local_model_config,
-)
+from ..launcher.prelaunch import check_accelerate_config, check_launch
 from ._common import fail
-from .export import check_gguf_before_training
-
-
-def describe_start(config, num_processes: int) -> str:
-    start, _skip, _warning = resume_rule(config, num_processes)
-    return f"resume from {start}" if start is not None else "fresh start"
-
-
-def check_before_launch(config, num_processes: int) -> str:
-    """The rules the worker checks again at setup; returns where the run starts."""
-    device_map_rule(config.device_map, num_processes)
-    reentrant_rule(config, num_processes)
-    if config.sequence_parallel_size > 1:
-        sequence_parallel_rule(config, num_processes, local_model_config(config))
-    method_rule(config)
-    final_model_dir_rule(config)
-    vision_rule(config, declares_images(config))
-    check_eval_tasks(config)
-    return describe_start(config, num_processes)
-
-
-def check_eval_tasks(config) -> None:
-    """eval_tasks built as the workers will build them, and a metric_for_best_model naming one of their scores
-    checked against the task's metrics: one line before any process starts."""
-    if not config.eval_tasks:
-        return
-    from ..errors import ConfigError
-    from ..evaluate.tasks import build_tasks, metric_key, task_metrics
-
-    include = Path(config.eval_include_path) if config.eval_include_path else None
-    _, task_dict = build_tasks(config.eval_tasks, include, ("eval_tasks", "eval_include_path"))
-    wanted = config.metric_for_best_model.removeprefix("eval_")
-    task, _, metric = wanted.partition("/")
-    metrics = task_metrics(task_dict)
-    if task in metrics and metric.split(",")[0] not in metrics[task]:
-        raise ConfigError(f"metric_for_best_model: task {task} logs no metric {metric!r}; it logs "
-                          f"{', '.join('eval_' + metric_key(task, m) for m in metrics[task])}")
 
 
 def train_command(
@@ -88,9 +45,6 @@ def train_command(
     from ..run_dir.manifest import verdicts
 
     cfg = load_config(config)
-    check_local_inputs(cfg)
-    check_trackers(cfg)
-    check_gguf_before_training(cfg)
     if accelerate_config is not None:
         check_accelerate_config(accelerate_config)
     if accelerate_config is not None and (nnodes > 1 or fsdp):
@@ -108,9 +62,7 @@ def train_command(
         processes = total_processes(accel)
         here = max(1, processes // int(accel.get("num_machines", 1) or 1))
 
-    start = check_before_launch(cfg, processes)
-    if not dry_run:
-        check_hub_access(cfg)
+    start = check_launch(cfg, processes, dry_run=dry_run)
     status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     handoff = worker_environment(verbose=verbose, preprocessing_status=status, run_lock=not dry_run,
                                  checked_checkpoints=verdicts(),
@@ -201,11 +153,10 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
         fail("--ray places the workers itself: use --num-workers (and --address for a cluster) instead of --gpus, "
              "--nnodes, --fsdp or --accelerate-config")
     import_ray()
-    start = check_before_launch(cfg, num_workers)
+    start = check_launch(cfg, num_workers, dry_run=dry_run)
     if dry_run:
         typer.echo(f"# Ray Train: {num_workers} worker(s) on {address or 'a local Ray instance'}; start: {start}")
         raise typer.Exit(0)
-    check_hub_access(cfg)
     hold_run_lock(cfg, None)
     from ..runtime.handoff import worker_environment
     from ..run_dir.manifest import verdicts

@@ -78,7 +78,7 @@ PEER_DATASET_KEYS: dict[str, tuple[str, str]] = {
 PEER_VALUES: dict[tuple[str, Any], str] = {
     ("rl", "ipo"): "method: dpo with loss_type: ipo",
     ("rl", "simpo"): "method: dpo with loss_type: simpo",
-    ("stage", "rm"): "method (reward models are not trained here; use sft, dpo, orpo, kto or grpo)",
+    ("stage", "rm"): "method: reward",
     ("stage", "pt"): "method: sft with a text dataset (format: text)",
     ("quantization_bit", 4): "finetune_type: qlora",
     ("lora_target", "all"): "lora_target_modules: all-linear",

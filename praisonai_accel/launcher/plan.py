@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..atomic import write_yaml_atomic
 from ..config import ConfigError, TrainConfig
+from ..models.files import local_weight_bytes
 from .accelerate_config import build_accelerate_config, read_accelerate_config, total_processes
 
 TRAIN_MODULE = "praisonai_accel.train"
@@ -250,8 +251,6 @@ def resolve_nodes(nnodes: int, node_rank: int | None, main_addr: str | None, mai
 
 def memory_note(config: TrainConfig, processes_here: int, fsdp: bool = False) -> str:
     """What the processes of this machine hold in host memory, for a worker the out-of-memory killer ended."""
-    from ..worker.preflight import local_weight_bytes
-
     weights = local_weight_bytes(config.model_name)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,12 +1,21 @@
-"""Checks only the launching machine can make, before any process starts: local paths exist, a chat template
-file reads, the method's own launch checks (GRPO's reward functions import), the trackers and the Hub token are there, an --accelerate-config is not
-DeepSpeed. Each raises ConfigError with one line; the CLI shows it (the rules the worker checks again are in checks.py)."""
+"""The one pass of checks before any process starts (`check_launch`, called by `train`, `--ray`, `slurm` and `k8s`),
+and the checks in it that only the launching machine can make: local paths exist, a chat template file reads, the
+method's own launch checks (GRPO's reward functions and tools import), the trackers, llama.cpp for a GGUF save,
+lm-eval's tasks and the Hub token are there. Each raises ConfigError with one line; the CLI shows it. The rules the
+worker checks again are checks.RULES, run in their place in the pass.
+
+What a launching machine can check depends on what it shares with the machines that train: `train` and `--ray`
+launch here (its files and its Python environment are the workers'), as does `slurm` (a job sees the cluster's shared
+file system, and sbatch passes it the submitting shell's environment: --export=ALL, SLURM's default); a Kubernetes
+manifest is applied to pods whose volume and image this machine never sees, so only the config's own rules are
+checked there (each pod's `praisonai-accel train` runs the whole pass again)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
-from ..checks import deepspeed_rule
+from ..checks import Situation, check_run, deepspeed_rule, resume_rule
 from ..config import ConfigError
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")  # the keys of config.LOCAL_DATA_LOADERS
@@ -30,7 +39,7 @@ def check_local_inputs(config) -> None:
                 raise ConfigError(f"{key}[{index}].name: unsupported file type '{path.suffix}' "
                                   f"(use {', '.join(LOCAL_SUFFIXES)})")
     check_chat_template(config)
-    type(config).training_method.check_launch(config)  # GRPO: reward_funcs import and take TRL's call
+    type(config).training_method.check_launch(config)  # GRPO: reward_funcs and tools import and take TRL's call
 
 
 def check_chat_template(config) -> None:
@@ -86,3 +95,61 @@ def local_model_config(config):
         return AutoConfig.from_pretrained(config.model_name, revision=config.revision, local_files_only=True)
     except Exception:  # not here, or its code is remote: nothing to read before launch
         return None
+
+
+def check_gguf(config) -> None:
+    """save_gguf / huggingface_save_gguf / ollama_save need llama.cpp's converter, the engine, a known architecture
+    and a token; none of them, nor ollama_model, takes a vision-language model: refused before launch, not after
+    training."""
+    if not (config.save_gguf or config.huggingface_save_gguf or config.ollama_save or config.ollama_model):
+        return
+    from ..publish.gguf import GGUFError, check_before_training
+
+    try:
+        check_before_training(config)
+    except GGUFError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_eval_tasks(config) -> None:
+    """eval_tasks built as the workers will build them, and a metric_for_best_model naming one of their scores
+    checked against the task's metrics."""
+    if not config.eval_tasks:
+        return
+    from ..evaluate.tasks import build_tasks, metric_key, task_metrics
+
+    include = Path(config.eval_include_path) if config.eval_include_path else None
+    _, task_dict = build_tasks(config.eval_tasks, include, ("eval_tasks", "eval_include_path"))
+    wanted = config.metric_for_best_model.removeprefix("eval_")
+    task, _, metric = wanted.partition("/")
+    metrics = task_metrics(task_dict)
+    if task in metrics and metric.split(",")[0] not in metrics[task]:
+        raise ConfigError(f"metric_for_best_model: task {task} logs no metric {metric!r}; it logs "
+                          f"{', '.join('eval_' + metric_key(task, m) for m in metrics[task])}")
+
+
+# In order, around checks.RULES (None marks where they run): (name, check, skipped on a dry run)
+_MACHINE_CHECKS: tuple[tuple[str, Callable | None, bool], ...] = (
+    ("local inputs", check_local_inputs, False),
+    ("trackers", check_trackers, False),
+    ("GGUF export", check_gguf, False),
+    ("rules", None, False),
+    ("eval_tasks", check_eval_tasks, False),
+    ("Hub access", check_hub_access, True),
+)
+
+
+def check_launch(config, num_processes: int, here: bool = True, dry_run: bool = False) -> str:
+    """The one pass before any process starts; returns where the run starts (resume or fresh), as far as this
+    machine can tell. `here`: the training sees this machine's files and Python environment (train, --ray, slurm);
+    False for a Kubernetes manifest, where only the config's own rules are checked."""
+    for _name, check, not_on_dry_run in _MACHINE_CHECKS:
+        if check is None:
+            model_config = local_model_config(config) if here and config.sequence_parallel_size > 1 else None
+            check_run(Situation(config, num_processes, "launch", sees_files=here, model_config=model_config))
+        elif here and not (dry_run and not_on_dry_run):
+            check(config)
+    if not here:
+        return "decided in the pods (output_dir is on their volume)"
+    start, _skip, _warning = resume_rule(config, num_processes)
+    return f"resume from {start}" if start is not None else "fresh start"

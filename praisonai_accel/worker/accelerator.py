@@ -12,7 +12,6 @@ import os
 from contextlib import nullcontext
 from pathlib import Path
 
-from ..checks import deepspeed_rule, reentrant_rule
 from ..config import ConfigError, TrainConfig
 from ..runtime.distributed import attempt_id, ddp_backend_kwargs, fsdp_requested, resolve_mixed_precision
 
@@ -29,7 +28,6 @@ def build_accelerator(config: TrainConfig, distributed: bool, reentrant: bool, u
     find_unused = config.ddp_find_unused_parameters
     if find_unused is None:
         find_unused = distributed and not reentrant
-    reentrant_rule(config, 2 if distributed else 1, reentrant)
     accelerator = Accelerator(
         mixed_precision=precision,
         cpu=not use_cuda,
@@ -45,7 +43,6 @@ def build_accelerator(config: TrainConfig, distributed: bool, reentrant: bool, u
     )
     if not use_cuda and distributed and fsdp_requested():
         select_fsdp_on_cpu(accelerator)
-    deepspeed_rule(accelerator.distributed_type.name, "accelerate config")  # launched past the CLI with DeepSpeed
     return accelerator
 
 

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..models.files import local_weight_bytes
 from ..runtime.distributed import attempt_id
 
 log = logging.getLogger("praisonai_accel")
@@ -142,14 +143,6 @@ def resource_warnings(config: TrainConfig, local_processes: int, cuda: bool, fsd
                                 f"{need / 2**30:.1f} GiB (weights and optimizer state) and {free / 2**30:.1f} GiB is "
                                 f"free under {config.output_dir}; lower save_total_limit or free space")
     return warnings
-
-
-def local_weight_bytes(model_name: str) -> int:
-    """The size of a local model folder's weight files; 0 for a Hub id (nothing is downloaded to find out)."""
-    folder = Path(model_name).expanduser()
-    if not folder.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in folder.glob("*") if p.suffix in (".safetensors", ".bin"))
 
 
 def _available_ram() -> int | None:

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..checks import final_model_dir_rule, method_rule, sequence_parallel_rule, vision_rule
+from ..checks import Situation, check_run
 from ..config import ConfigError, TrainConfig
-from ..data.vision_processor import declares_images
 from ..runtime.distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..runtime.handoff import VERBOSE_ENV
 from ..logs import quiet_libraries
@@ -102,9 +101,8 @@ class Recipe:
         self.packing = packing_for(config, self.backend, warn=self.env.is_main)
         self.accelerator = accelerator = build_accelerator(config, self.env.is_distributed, self.reentrant, use_cuda, bf16)
         quiet_libraries(self.verbose)
-        final_model_dir_rule(config)  # accelerate launch / torchrun: not checked before launch
-        sequence_parallel_rule(config, accelerator.num_processes)  # the model's heads: once it is loaded
-        method_rule(config)
+        check_run(Situation(config, accelerator.num_processes, "worker", reentrant=self.reentrant,  # torchrun:
+                            distributed_type=accelerator.distributed_type.name))  # nothing was checked before
         self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "
@@ -127,8 +125,7 @@ class Recipe:
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
-        sequence_parallel_rule(config, accelerator.num_processes, model.config)
-        vision_rule(config, declares_images(config))
+        check_run(Situation(config, accelerator.num_processes, "loaded", model_config=model.config))
         self.sp = start_groups(config)
 
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,

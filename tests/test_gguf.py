@@ -348,6 +348,30 @@ def test_an_export_whose_tokenizer_is_not_the_models_fails_in_one_line_and_leave
 
 
 @needs_engine
+def test_export_gguf_of_a_run_checks_the_tokenizer_on_the_runs_own_rows(tmp_path, converter):
+    """`export gguf` of a trained adapter finds its run's config (progress.json names the config file)
+    and renders the chat template on the first rows of its data, as the export after training does; those texts come
+    first. With protobuf hidden, the converter's fallback vocabulary splits 'reverse' differently, so the text named
+    is the run's row, not the built-in conversation (which a bare model's export names)."""
+    from conftest import fault_env
+
+    base = make_phi3_model(tmp_path / "base", "llama")
+    rows = [{"instruction": "reverse the words", "input": "quokka zephyr", "output": "zephyr quokka"}] * 8
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = write_config(tmp_path, base, data, max_steps=1, per_device_train_batch_size=2, logging_steps=1)
+    trained = cli("train", str(config), "--cpu", "--num-processes", "1")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = cli("export", "gguf", str(tmp_path / "out" / "lora_model"), "-q", "f16",
+                 env=fault_env(cpu_env(LLAMA_CPP_CONVERTER=str(converter)), HIDE_MODULE="google.protobuf"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if not line.startswith("gguf: ")]
+    assert line.startswith("error: lora_model-F16.gguf: llama.cpp's tokenizer in the GGUF does not encode "
+                           "'<|user|>\\nreverse the words\\n\\nquokka zephyr<|end|>"), line
+    assert not (tmp_path / "out" / "lora_model-gguf").exists()
+
+
+@needs_engine
 def test_a_crash_inside_llama_cpp_is_one_line_and_the_export_process_lives(tmp_path, tiny_model, converter):
     """llama.cpp runs in a child: a segmentation fault there (tests/faults) is one line naming the likely cause and
     the portable build, the CLI exits 2 itself, and no folder is left."""

@@ -30,6 +30,7 @@ def gguf_command(
 ) -> None:
     """Merge the adapter in full precision, convert with llama.cpp's converter, quantize with llama.cpp's quantizer."""
     from ..publish.gguf import GGUFError, export_gguf, plan_export
+    from ..publish.gguf_verify import run_conversations
 
     show_progress_lines()
     if ollama:
@@ -39,7 +40,7 @@ def gguf_command(
             fail("--ollama: the ollama client is not installed; pip install 'praisonai-accel[ollama]'")
     try:
         plan = plan_export(path, quantization, out, dequantize_base=dequantize_base, trust_remote_code=trust_remote_code)
-        files = export_gguf(plan)
+        files = export_gguf(plan, run_conversations(path, plan.source))
     except GGUFError as exc:
         fail(str(exc))
     except OSError as exc:  # disk full, permissions: the half-written files are already gone
@@ -55,17 +56,3 @@ def gguf_command(
         except Exception as exc:  # connection refused, server errors: one line, the files stay
             fail(f"ollama: {type(exc).__name__}: {first_line(exc, '')}".rstrip(": "))
         typer.echo(f"created Ollama model {ollama} from {files[0].name} (Modelfile: {modelfile})")
-
-
-def check_gguf_before_training(config) -> None:
-    """save_gguf / huggingface_save_gguf / ollama_save need llama.cpp's converter, the engine, a known architecture
-    and a token; none of them, nor ollama_model, takes a vision-language model: refused with one line before launch,
-    not after training."""
-    if not (config.save_gguf or config.huggingface_save_gguf or config.ollama_save or config.ollama_model):
-        return
-    from ..publish.gguf import GGUFError, check_before_training
-
-    try:
-        check_before_training(config)
-    except GGUFError as exc:
-        fail(str(exc))

@@ -274,4 +274,6 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
-    return parse_config(data, source=str(path), config_dir=str(path.resolve().parent))
+    config = parse_config(data, source=str(path), config_dir=str(path.resolve().parent))
+    config._config_file = str(path.resolve())
+    return config

@@ -25,6 +25,8 @@ class MethodChoice(BaseModel):
     training_method: ClassVar[type | None] = None  # the method's class, set on the composed model
     # The directory of the config file (load_config sets it): reward_funcs' and method's modules are looked for there
     _config_dir: str | None = PrivateAttr(default=None)
+    # The config file itself (load_config sets it): progress.json names it, so `export gguf` of a run reads its rows
+    _config_file: str | None = PrivateAttr(default=None)
 
     def __reduce__(self):
         # The composed class is made at run time (composed()), so pickle (datasets' map fingerprints and its worker

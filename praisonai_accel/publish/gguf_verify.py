@@ -1,16 +1,20 @@
-"""A GGUF export checked, never trusted (used by publish/gguf.py only): the file's own tokenizer (llama.cpp's, in a
-child process) must encode a set of texts exactly as the Hugging Face tokenizer the model was trained with does.
+"""A GGUF export checked, never trusted (used by publish/gguf.py and `export gguf`): the file's own tokenizer
+(llama.cpp's, in a child process) must encode a set of texts exactly as the Hugging Face tokenizer the model was
+trained with does.
 
 A converter that falls back to another vocabulary path (sentencepiece or protobuf missing, a tokenizer.model that
 could not be rebuilt) writes a GGUF that runs and answers, but splits words differently from training ("reverse" in
 3 pieces instead of 1); only comparing the ids finds it. The texts are the chat template rendered on sample rows of
 the run's data where there are some, a conversation of our own with every kind of text (non-ASCII, digits, runs of
-whitespace, several turns), and the special tokens between words.
+whitespace, several turns), and the special tokens between words. `export gguf` of a run finds the run's config
+(run_conversations) and reads the same rows as the export after training.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 
 from . import gguf_engine
@@ -46,9 +50,44 @@ def sample_conversations(config, count: int = SAMPLE_ROWS) -> list[list[dict]]:
                 if not isinstance(conversation, str):
                     conversations.append(conversation.messages)
         return conversations
-    except Exception as exc:  # the check goes on with our own texts
-        log.info("gguf: no sample rows of the run's data for the tokenizer check (%s)", exc)
+    except Exception as exc:  # the check goes on with our own texts, and the user has nothing to do about it
+        log.debug("gguf: no sample rows of the run's data for the tokenizer check (%s)", exc)
         return []
+
+
+def run_conversations(path: Path, model_dir: Path, count: int = SAMPLE_ROWS) -> list[list[dict]]:
+    """sample_conversations of the run `model_dir` was trained in, for `export gguf PATH`; none for a bare model."""
+    config = run_config(Path(path), Path(model_dir))
+    return sample_conversations(config, count) if config is not None else []
+
+
+def run_config(path: Path, model_dir: Path):
+    """The config of the run that wrote `model_dir`, or None. Its progress.json (in PATH, the output_dir, or beside
+    the model: a final model, or a checkpoint's adapter) names the config file the run was started with. None where
+    the run predates that record, or the config has since moved, changed or no longer names this model."""
+    from ..config import load_config
+
+    places = [path, model_dir.parent]
+    if re.fullmatch(r"checkpoint-\d+", model_dir.parent.name):
+        places.append(model_dir.parent.parent)
+    for output_dir in dict.fromkeys(p.resolve() for p in places):
+        try:
+            progress = json.loads((output_dir / "progress.json").read_text())
+            config_file, final = Path(progress["config_file"]), progress["final_model_dir"]
+            config = load_config(config_file)
+        except Exception:  # no record, an older run's, or a config that moved or no longer loads
+            continue
+        if str(config.final_model_path()) == str(final):
+            return _data_beside(config, config_file.parent)
+    return None
+
+
+def _data_beside(config, config_dir: Path):
+    """A relative dataset path is relative to where training ran; where that is not here, the config's folder."""
+    spec = config.dataset[0] if config.dataset else None
+    if spec is not None and not Path(spec.name).expanduser().exists() and (config_dir / spec.name).exists():
+        config.dataset[0] = spec.model_copy(update={"name": str(config_dir / spec.name)})
+    return config
 
 
 def texts_to_check(tokenizer, conversations: list[list[dict]] = ()) -> list[str]:

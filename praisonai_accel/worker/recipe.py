@@ -71,16 +71,11 @@ class Recipe:
         self.data_parallel = 1  # processes reading different rows (a sequence-parallel group reads the same)
         self.resume_point = resume.ResumePoint(None)
         self.model_commit: str | None = None
-        self.tokenizer = None
-        self.collate = None
-        self.eval_data = None
+        self.tokenizer = self.collate = self.eval_data = None
         self.task_eval: TaskEvaluation | None = None  # eval_tasks
         self.preprocess: dict = {}  # how long preprocessing took, and whether it came from the cache
         self.model = None  # the method's loss module, prepared (DDP / FSDP2)
-        self.optimizer = None
-        self.scheduler = None
-        self.loader = None
-        self.flop_counts = None
+        self.optimizer = self.scheduler = self.loader = self.flop_counts = None
         self.parameter_bytes = 0  # this rank's share: 1/N of each layer under FSDP
         self.steps_per_epoch = self.total_steps = 0
         self.state: ckpt_dir.CheckpointState | None = None
@@ -334,7 +329,8 @@ class Recipe:
         if self.accelerator.is_main_process:
             outputs.write_progress(self.output_dir, status, self.state.global_step, self.total_steps,
                                    self.accelerator.num_processes, self.config.final_model_path(),
-                                   self.config.method, self.config._config_dir, headline=self.headline, **ended)
+                                   self.config.method, self.config._config_dir, headline=self.headline,
+                                   config_file=self.config._config_file, **ended)
 
     def _finish(self, started: float, stopped_early: bool) -> dict:
         from accelerate.utils import gather_object

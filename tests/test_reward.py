@@ -5,7 +5,9 @@
 - one batch of 2B gives the gradients of two batches of B accumulated (the recipe's summed-loss normalisation);
 - LoRA trains the score head in full (peft's modules_to_save), and accuracy rises on the training pairs;
 - a reward model as a GRPO reward (reward_funcs: model:PATH) scores each completion as the model's own forward on
-  the text alone; a path that is not a reward model is refused in one line;
+  the text alone; a path that is not a reward model is refused in one line; under FSDP2 (2 processes over gloo) it
+  is sharded (every parameter a DTensor, each rank holding part of it, again after scoring) and the ranks run the
+  same number of forwards when one has fewer completions, giving the plain model's rewards;
 - rows: a margin column rides along exactly; a bad margin is named; the config keys and a head of several labels
   are refused in one line; `reward_model_problem` names a path that is not a sequence classifier.
 """
@@ -307,8 +309,75 @@ def test_a_reward_model_as_grpo_reward_gives_its_own_forward_on_each_text(tiny, 
         assert rewards[0, 1].item() == 1.0 and len(set(rewards[:, 0].tolist())) == 4
     assert functions[0].func._model.device.type == "cpu" and not any(
         p.requires_grad for p in functions[0].func._model.parameters())
+    assert not functions[0].func.collective  # one process: a plain copy, scored without collectives
 
     for entry, words in (("model:nowhere", "model:nowhere: "), (f"model:{path}", "not a sequence classifier")):
         with pytest.raises(ConfigError, match=words):
             load_reward_functions(SimpleNamespace(reward_funcs=[entry], reward_weights=None, reward_format_pattern=""),
                                   base_dir=tmp_path)
+
+
+SHARDED_TEXTS = [("reverse the words: ada bob", c) for c in ("bob ada", "dan eve cy", "xyz b", "a e i o u", "qq")]
+SHARDED_CALLS = ((5, 1), (1, 4))  # completions per rank in each call, 2 per batch: 3 then 2 forwards on each rank
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sharded_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from praisonai_accel.methods.reward_module import ModelReward, held_parameters
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_FSDP="true")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a rank out of step
+    try:                                                                                      # fails, not hangs
+        reward = ModelReward(model_dir, batch_size=2)
+        model, _ = reward.load()
+        forwards = []
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        rewards = []
+        for counts in SHARDED_CALLS:
+            texts = SHARDED_TEXTS[:counts[rank]]
+            rewards.append(reward(prompts=[p for p, _ in texts], completions=[c for _, c in texts]))
+        held, total = held_parameters(model)
+        torch.save({"rewards": rewards, "forwards": len(forwards), "collective": reward.collective,
+                    "dtensors": all(isinstance(p, DTensor) for p in model.parameters()), "held": held,
+                    "total": total, "grads": any(p.requires_grad for p in model.parameters())}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp2_the_reward_model_is_sharded_and_ranks_score_in_lockstep(tiny, tmp_path):
+    """A rank with fewer completions still runs the other's number of forwards (dummy batches, dropped): otherwise
+    the other rank's all-gather would wait forever. One spawn of two ranks (most of a minute on 2 shared cores)."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForSequenceClassification
+
+    path, tokenizer = tiny
+    rm = vowel_reward_model(path, tmp_path / "rm")
+    mp.spawn(_sharded_worker, args=(2, _free_port(), str(rm), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert [r["forwards"] for r in ranks] == [5, 5]  # 3 + 2 batches each, whatever its own share
+    assert all(r["collective"] and r["dtensors"] and not r["grads"] for r in ranks)
+    assert ranks[0]["total"] == ranks[1]["total"] == ranks[0]["held"] + ranks[1]["held"]
+    assert all(0 < r["held"] < r["total"] for r in ranks)  # a full copy would hold all of it
+    model = AutoModelForSequenceClassification.from_pretrained(str(rm)).eval()
+    for rank, r in enumerate(ranks):
+        for call, counts in enumerate(SHARDED_CALLS):
+            expected = []
+            for prompt, completion in SHARDED_TEXTS[:counts[rank]]:
+                ids = (tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]
+                       + [tokenizer.eos_token_id])
+                with torch.no_grad():
+                    expected.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+            assert r["rewards"][call] == pytest.approx(expected, abs=1e-5), (rank, call)

@@ -5,7 +5,9 @@
 - full fine-tuning under --fsdp runs, evaluates eval_accuracy and keeps the best; the saved model, loaded with plain
   transformers, gives the rewards `praisonai-accel score` prints;
 - GRPO with reward_funcs: [model:PATH] (a reward model that likes vowels) raises its logged reward, and the
-  rewards it logged for its completions are the reward model's own on those texts;
+  rewards it logged for its completions are the reward model's own on those texts; under --fsdp (2 processes)
+  each rank holds only its shard of the reward model (its log says how much) and the logged rewards are still the
+  model's own;
 - QLoRA (4-bit base, bitsandbytes on CPU) trains the adapter and the head;
 - `demo --method reward` (from an SFT demo model already in place) shows held-out accuracy before and after;
 - bad input is one line and exit 2: a row without rejected (found by the launcher's preprocessing, which runs
@@ -130,31 +132,63 @@ def test_full_fine_tuning_under_fsdp_and_score_prints_what_transformers_gives(tm
     assert [float(line) for line in from_file.stdout.split()] == printed
 
 
-def test_grpo_with_a_reward_model_raises_its_reward_and_logs_the_models_own_rewards(tmp_path, tiny_model):
+def _grpo_with_vowels(directory, tiny_model, *flags, **overrides):
+    """A GRPO run whose reward is a reward model that likes vowels; (its output_dir, the reward model)."""
     from test_reward import vowel_reward_model
 
+    vowel_reward_model(tiny_model, directory / "vowels")
+    rows = [{"prompt": demo_prompt(r)} for r in task_records(48, seed=0)]
+    data = write_jsonl(rows, directory / "prompts.jsonl")
+    config = write_config(directory, tiny_model, data, **{
+        **dict(method="grpo", reward_funcs=["model:vowels"], dataset=[{"name": str(data)}], num_generations=4,
+               max_completion_length=12, max_seq_length=64, max_prompt_length=32, per_device_train_batch_size=8,
+               finetune_type="full", final_model_dir="model", learning_rate=1e-2, logging_steps=1, warmup_steps=0,
+               num_completions_to_print=8), **overrides})
+    result = cli("train", str(config), *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory / "out", directory / "vowels"
+
+
+def _logged_rewards_are_the_models_own(out, reward_model):
+    """The rewards of the completions rank 0 logged equal the reward model's forward on their texts, in this process,
+    a plain copy."""
     from praisonai_accel.methods.reward import load_scorer, score_texts
 
-    vowel_reward_model(tiny_model, tmp_path / "vowels")
-    rows = [{"prompt": demo_prompt(r)} for r in task_records(48, seed=0)]
-    data = write_jsonl(rows, tmp_path / "prompts.jsonl")
-    config = write_config(tmp_path, tiny_model, data, method="grpo", reward_funcs=["model:vowels"],
-                          dataset=[{"name": str(data)}], num_generations=4, max_completion_length=12,
-                          max_seq_length=64, max_prompt_length=32, per_device_train_batch_size=8, max_steps=14,
-                          finetune_type="full", final_model_dir="model", learning_rate=1e-2, logging_steps=1,
-                          warmup_steps=0, num_completions_to_print=4)
-    result = cli("train", str(config), "--cpu")
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = tmp_path / "out"
+    logged = [json.loads(line) for line in (out / "logs" / "completions.jsonl").read_text().splitlines()]
+    model, tokenizer = load_scorer(reward_model)
+    again = score_texts(model, tokenizer, [(r["prompt"], [{"role": "assistant", "content": r["completion"]}])
+                                           for r in logged])
+    assert logged and [r["reward"] for r in logged] == pytest.approx(again, abs=1e-5)
+    assert len(set(again)) > 1  # completions that differ, scored differently
+
+
+def test_grpo_with_a_reward_model_raises_its_reward_and_logs_the_models_own_rewards(tmp_path, tiny_model):
+    out, reward_model = _grpo_with_vowels(tmp_path, tiny_model, "--cpu", max_steps=14, num_completions_to_print=4)
     steps = [m for m in read_metrics(out) if "loss" in m]
     rewards = [m["reward"] for m in steps]
     assert "rewards/vowels/mean" in steps[0], sorted(steps[0])
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
-    logged = [json.loads(line) for line in (out / "logs" / "completions.jsonl").read_text().splitlines()]
-    model, tokenizer = load_scorer(tmp_path / "vowels")
-    again = score_texts(model, tokenizer, [(r["prompt"], [{"role": "assistant", "content": r["completion"]}])
-                                           for r in logged])
-    assert [r["reward"] for r in logged] == pytest.approx(again, abs=1e-5)
+    _logged_rewards_are_the_models_own(out, reward_model)
+
+
+def test_under_fsdp_the_reward_model_is_sharded_and_logs_its_own_rewards(tmp_path, tiny_model):
+    """Each rank holds part of the reward model (its log says how much: all of it for a full copy), and the rewards
+    logged are still the model's own."""
+    import re
+
+    out, reward_model = _grpo_with_vowels(tmp_path, tiny_model, *TWO, "--fsdp", max_steps=2)
+    assert read_summary(out)["distributed_type"] == "FSDP"
+    assert all("rewards/vowels/mean" in m for m in read_metrics(out) if "loss" in m)
+    held = []
+    for rank in (0, 1):
+        log = (out / "logs" / f"rank-{rank}.log").read_text()
+        found = re.search(r"reward model vowels: sharded by FSDP2 across 2 ranks; this rank holds (\d+) of its (\d+) "
+                          r"parameters", log)
+        assert found, log[-3000:]
+        held.append(tuple(int(x) for x in found.groups()))
+    (mine, total), (theirs, total_1) = held
+    assert total == total_1 == mine + theirs and 0 < mine < total, held
+    _logged_rewards_are_the_models_own(out, reward_model)
 
 
 def test_qlora_trains_the_adapter_and_the_score_head(tmp_path, tiny_model, pairs):

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError, first_line
+from ..logs import FILE_ONLY
 from .method_keys import BUILTIN_REWARDS, REWARD_MODEL_PREFIX, parse_reward_entry
 from .user_code import import_user_module
 
 log = logging.getLogger("praisonai_accel")
-FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
 
 PASSED = ("prompts", "completions", "completion_ids", "trainer_state")  # what `score` passes beside the columns
 NOT_PASSED = ("log_extra", "log_metric", "environments")  # TRL passes these; praisonai-accel does not (environments:
@@ -300,7 +300,10 @@ FAILING_ROW_TRIES = 16
 def _failing_row(function: RewardFunction, keywords: dict, rows: Sequence, n: int) -> str:
     """The first row whose completion alone makes the function raise (it is called again, one completion at a
     time, only after it failed on the batch, and for at most FAILING_ROW_TRIES of them: a reward that calls a judge
-    model is not run once more per completion); the batch when none does alone."""
+    model is not run once more per completion); the batch when none does alone, or when the function is a
+    collective (a reward model sharded across the ranks: called on this rank alone, it would wait for the others)."""
+    if getattr(function.func, "collective", False):
+        return f"the batch of {where(rows[0])} and {n - 1} other completion(s)"
     for i in range(min(n, FAILING_ROW_TRIES)):
         alone = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in keywords.items()}
         try:

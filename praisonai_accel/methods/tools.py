@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -19,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, first_line
+from ..logs import FILE_ONLY
 from .method_keys import split_entry
 from .rewards import config_dir, import_callable
 
-FILE_ONLY = logging.getLogger("praisonai_accel.file")  # logs.FILE_ONLY: the rank's log file only
 NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that are not tools (TRL's)
 THREAD_PREFIX = "praisonai-tool"
 

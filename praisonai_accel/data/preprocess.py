@@ -26,7 +26,6 @@ from .cache import (
 from .encoding import count_targets
 from .formats import TOO_LONG, DataError, RowProblem
 from .sources import RawRows, read_rows
-from .templates import describe_plan
 from .tokenized import TokenizedDataset
 
 MASKING_SAMPLE = 32  # examples per dataset checked against the masking guarantee
@@ -163,18 +162,16 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, m
         invalid += refused
         skipped += sorted(refused + too_long, key=lambda row: row.position)
         kept = encoded.select(kept_rows) if encoded is not None else None
-        if kept is not None and getattr(method, "row_number_column", None):  # the method names rows in training
+        if kept is not None and method.row_number_column:  # the method names rows in training
             kept = _number_rows(kept, method.row_number_column, raw, index)
         sample = [_row_of(raw, p) for p in (kept[_POSITION][:MASKING_SAMPLE] if kept is not None else [])]
-        sampled = getattr(method, "sample_problems", None)
         stats.datasets.append(DatasetStats(
             name=spec.name, rows=len(raw), examples=len(kept_rows),
             truncated=sum(kept["truncated"]) if kept_rows else 0,
             response_cut=sum(kept["response_cut"]) if kept_rows else 0, dropped=len(too_long),
             tokens=sum(kept["length"]) if kept_rows else 0,
             target_tokens=sum(kept["num_target_tokens"]) if kept_rows else 0,
-            masking=describe_plan(method.plan) if hasattr(method, "plan") else method.name,
-            masking_problems=sampled(sample, fmt, spec) if sampled and sample else "",
+            masking=method.masking(), masking_problems=method.sample_problems(sample, fmt, spec) if sample else "",
             invalid=len(bad), invalid_by_reason=dict(Counter(problem.kind for problem in bad.values())),
         ))
         if kept_rows:

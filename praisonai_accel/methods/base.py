@@ -102,8 +102,8 @@ class TrainingMethod:
 
     # ---- data
     def data(self, tokenizer):
-        """The data half the preprocessing driver (data/preprocess.py) runs: `columns` (the ragged int columns of an
-        encoded example), `detect_format`, `check_row`, `encode`, `length`; see methods/sft_rows.SFTData."""
+        """The data half the preprocessing driver (data/preprocess.py) runs: a data/method_data.MethodData (its
+        `columns`, `detect_format`, `check_row`, `encode`, `length`, ...); see methods/sft_rows.SFTData."""
         raise NotImplementedError
 
     # ---- batches

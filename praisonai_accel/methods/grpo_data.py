@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+from ..data.method_data import MethodData
 from .method_keys import prompt_limit
 from .preference_data import clean_messages, text_or_messages
 
@@ -61,7 +62,7 @@ def row_of(example: dict) -> dict:
     return json.loads(bytes(int(b) for b in example["row"]).decode("utf-8"))
 
 
-class GRPOData:
+class GRPOData(MethodData):
     """The data half the preprocessing driver runs (data/preprocess.py; SFT's is methods/sft_rows.SFTData)."""
 
     name = "grpo"

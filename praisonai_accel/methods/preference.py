@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+from ..data.method_data import MethodData
 from . import preference_data as pdata
 from .base import TrainingMethod
 from .method_keys import KTO_METRICS, LOSS_TYPES, PAIR_METRICS, DPOKeys, KTOKeys, ORPOKeys, prompt_limit
@@ -167,7 +168,7 @@ class PreferenceMethod(TrainingMethod):
         return precompute_on_ranks(self, accelerator, module, dataset, output_dir)
 
 
-class PreferenceData:
+class PreferenceData(MethodData):
     """The data half the preprocessing driver runs (data/preprocess.py; SFT's is methods/sft_rows.SFTData)."""
 
     def __init__(self, method: PreferenceMethod, tokenizer):

@@ -11,10 +11,11 @@ from ..data.encoding import count_targets, encode_chat, encode_text
 from ..data.formats import TOO_LONG, RowProblem, check_row, detect_format, to_conversation
 from ..data.images import image_values
 from ..data.masking_check import MaskingReport, check_masking
-from ..data.templates import dropped_by_template, template_label
+from ..data.method_data import MethodData
+from ..data.templates import describe_plan, dropped_by_template, template_label
 
 
-class SFTData:
+class SFTData(MethodData):
     name = "sft"
     columns = ("input_ids", "labels")  # ragged int columns of an encoded example; labels are -100 where not trained
 
@@ -60,6 +61,9 @@ class SFTData:
 
     def length(self, example: dict) -> int:
         return len(example["input_ids"])
+
+    def masking(self) -> str:
+        return describe_plan(self.plan)
 
     def sample_problems(self, rows: list[dict], fmt: str, spec: DatasetSpec) -> str:
         """The masking guarantee, checked on a sample of rows that encoded; '' when it holds."""

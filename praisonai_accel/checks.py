@@ -8,8 +8,8 @@ the model loads) and `loaded` (once it has loaded: what needs the model's own co
 files (output_dir, the model's folder) runs only where they are at hand: not when a Kubernetes manifest is generated
 on a machine that will never see the pods' volume. `check_run` runs them.
 
-Imported by the launcher and by the worker; imports only the config, the run directory, the data half's reading of
-a model's files, and (for sequence_parallel_size) sequence_parallel's pure checks; the method's own rules are its
+Imported by the launcher and by the worker; imports only the config, the run directory, what a model takes
+(data/vision_processor.ModelInputs), and (for sequence_parallel_size) sequence_parallel's pure checks; the method's own rules are its
 class's check_config (method_rule).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import DEEPSPEED_REFUSED, REENTRANT_WITH_UNUSED, ConfigError, TrainConfig
-from .data.vision_processor import declares_images
+from .data.vision_processor import ModelInputs
 from .methods import method_for
 from .run_dir import checkpoints as ckpt_dir
 from .run_dir.output_dirs import check_replaceable
@@ -36,6 +36,7 @@ class Situation:
     phase: str  # launch, worker or loaded
     sees_files: bool = True  # the run's output_dir and local model folder are on this machine
     model_config: Any = None  # the model's config: read from disk before launch where it can be, the loaded one after
+    inputs: ModelInputs | None = None  # what the model takes besides text, as the caller decided it
     reentrant: bool | None = None  # the worker's answer (unsloth's checkpointing is reentrant too); None: the config's
     distributed_type: str | None = None  # the worker's Accelerator's
 
@@ -142,7 +143,8 @@ RULES = (
          ("launch", "worker", "loaded")),
     Rule("method", lambda s: method_rule(s.config), ("launch", "worker")),
     Rule("final model directory", lambda s: final_model_dir_rule(s.config), ("launch", "worker"), reads_files=True),
-    Rule("vision", lambda s: vision_rule(s.config, declares_images(s.config)), ("launch", "loaded"), reads_files=True),
+    Rule("vision", lambda s: vision_rule(s.config, s.inputs.images if s.inputs else None), ("launch", "loaded"),
+         reads_files=True),
 )
 
 

@@ -13,6 +13,9 @@ from praisonai_accel.runtime.distributed import (
     DistEnv, mark_unsloth_ddp, resolve_device_map, resolve_mixed_precision,
 )
 from praisonai_accel.models import loading as model_module
+from praisonai_accel.data.vision_processor import ModelInputs
+
+TEXT = ModelInputs(False)  # a text model
 
 
 def test_env_is_read_from_torchrun_variables():
@@ -145,12 +148,12 @@ def test_unsloth_loads_and_builds_the_peft_model_on_one_path(monkeypatch, world_
         return sys.modules["unsloth"], ""
 
     monkeypatch.setattr(model_module, "import_unsloth", import_unsloth)
-    monkeypatch.setattr(model_module, "declares_images", lambda config: False)  # "m": a text model on the Hub
     config = parse_config({"model_name": "m", "dataset": "d", "lora_r": 4})
     env = DistEnv(rank=world_size - 1, local_rank=world_size - 1, world_size=world_size)
-    backend = model_module.choose_backend(config, env, use_cuda=True)
+    backend = model_module.choose_backend(config, env, use_cuda=True, inputs=TEXT)  # "m": a text model on the Hub
     assert backend.name == "unsloth" and seen["flag_at_import"] == ("1" if world_size > 1 else None)
-    model, tokenizer = model_module.load_model_and_tokenizer(config, env, backend, use_cuda=True, bf16_supported=True)
+    model, tokenizer = model_module.load_model_and_tokenizer(config, env, backend, use_cuda=True, bf16_supported=True,
+                                                            inputs=TEXT)
     assert seen["load_path"] == seen["peft_path"] == path and tokenizer == "tokenizer"
     assert _settled_templates == ["tokenizer"]  # unsloth's tokenizer gets the run's chat template too
     assert model == f"peft-model({'base' if world_size > 1 else 'llama'} via {path})"
@@ -173,16 +176,18 @@ def test_unsloth_import_failure_of_any_kind_falls_back(monkeypatch):
     module, why = model_module.import_unsloth()
     assert module is None and why.startswith("NotImplementedError")
     config = parse_config({"model_name": "m", "dataset": "d"})
-    assert model_module.choose_backend(config, DistEnv(), use_cuda=True).name == "transformers"
+    assert model_module.choose_backend(config, DistEnv(), use_cuda=True, inputs=TEXT).name == "transformers"
     with pytest.raises(ConfigError, match="use_unsloth: true, but unsloth cannot be imported"):
-        model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(), True)
+        model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(),
+                                    True, TEXT)
 
 
 def test_unsloth_is_not_used_without_a_gpu():
     config = parse_config({"model_name": "m", "dataset": "d"})
-    assert model_module.choose_backend(config, DistEnv(0, 0, 2), use_cuda=False).name == "transformers"
+    assert model_module.choose_backend(config, DistEnv(0, 0, 2), use_cuda=False, inputs=TEXT).name == "transformers"
     with pytest.raises(ConfigError, match="use_unsloth: true needs a CUDA GPU"):
-        model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(), False)
+        model_module.choose_backend(parse_config({"model_name": "m", "dataset": "d", "use_unsloth": True}), DistEnv(),
+                                    False, TEXT)
 
 
 @pytest.mark.parametrize("capability, precision, dtype", [((7, 5), "fp16", "float16"), ((7, 0), "fp16", "float16"),
@@ -206,7 +211,7 @@ def test_bf16_only_from_compute_capability_8_and_every_dtype_agrees(monkeypatch,
     seen: dict = {}
     monkeypatch.setitem(sys.modules, "unsloth", _fake_unsloth(seen))
     backend = model_module.Backend("unsloth", module=sys.modules["unsloth"])
-    model_module.load_model_and_tokenizer(lora, DistEnv(), backend, use_cuda=True, bf16_supported=bf16)
+    model_module.load_model_and_tokenizer(lora, DistEnv(), backend, use_cuda=True, bf16_supported=bf16, inputs=TEXT)
     assert seen["from_pretrained"]["dtype"] == getattr(torch, dtype)
 
 

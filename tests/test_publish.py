@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from praisonai_accel.config import parse_config
+from praisonai_accel.data.vision_processor import ModelInputs
 from praisonai_accel.publish.hub import HubPublisher, model_card
 from praisonai_accel.publish.ollama import recipe_for
 
@@ -219,7 +220,7 @@ def test_hub_strategy_decides_what_each_save_pushes(tmp_path, monkeypatch, strat
 def test_model_card_records_the_run():
     config = parse_config({"model_name": "org/base", "dataset": [{"name": "yahma/alpaca-cleaned"}], "hub_model_id": "me/x",
                            "learning_rate": 1e-4, "lora_r": 8})
-    card = model_card(config, {"final_loss": 1.23456, "global_step": 10, "num_processes": 2})
+    card = model_card(config, {"final_loss": 1.23456, "global_step": 10, "num_processes": 2}, ModelInputs(False))
     assert card.startswith("---\nbase_model: org/base\nlibrary_name: peft\n")
     assert "datasets:\n- yahma/alpaca-cleaned" in card and "| final training loss | 1.2346 |" in card
     assert "| effective batch | 4 |" in card and "| lora_r | 8 |" in card
@@ -232,7 +233,7 @@ def test_model_card_names_no_local_path(tmp_path):
     (private / "base-model").mkdir()
     config = parse_config({"model_name": str(private / "base-model"), "hub_model_id": "me/x",
                            "dataset": [{"name": str(private / "chats.jsonl")}, {"name": "yahma/alpaca-cleaned"}]})
-    card = model_card(config, {"final_loss": 1.0, "global_step": 1, "num_processes": 1})
+    card = model_card(config, {"final_loss": 1.0, "global_step": 1, "num_processes": 1}, ModelInputs(False))
     assert "alice" not in card and str(tmp_path) not in card
     assert "base_model:" not in card and "datasets:\n- yahma/alpaca-cleaned\n---" in card
     assert "| datasets | chats.jsonl, yahma/alpaca-cleaned |" in card and "| base model | base-model |" in card

@@ -177,6 +177,7 @@ def test_the_cache_keeps_ids_and_image_paths_and_too_long_rows_are_left_out_whol
 
 def _loaded(model: Path, tmp_path: Path, rows: list[dict] | None = None, **overrides):
     from praisonai_accel.runtime.distributed import DistEnv
+    from praisonai_accel.data.vision_processor import model_inputs
     from praisonai_accel.models.loading import Backend, load_model_and_tokenizer
 
     rows = rows if rows is not None else trl_rows(shape_records(2, 0, tmp_path / "img"))
@@ -184,7 +185,7 @@ def _loaded(model: Path, tmp_path: Path, rows: list[dict] | None = None, **overr
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = _config(model, data, tmp_path, **overrides)
     causal_lm, tokenizer = load_model_and_tokenizer(config, DistEnv.from_environ(), Backend("transformers"), False,
-                                                    False)
+                                                    False, model_inputs(config))
     return config, causal_lm, tokenizer
 
 

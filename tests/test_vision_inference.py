@@ -148,16 +148,16 @@ def test_whether_a_checkpoint_takes_images_is_one_rule_fetched_from_the_hub_when
     """A Hub id not in the cache: its config.json and processor files are fetched (here: a fake Hub serving the
     tiny Idefics3's folder), so use_unsloth: auto on a GPU never picks unsloth's text-only loader for a VLM; offline
     and not cached, it cannot be told, and unsloth is not chosen either. The worker, the model card, GGUF / Ollama
-    (inference.takes_images) decide by the same function."""
+    (inference.inputs_of) decide by the same function."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError
 
     from praisonai_accel.models import loading as model_module
     from praisonai_accel.config import parse_config
-    from praisonai_accel.data.vision_processor import declares_images, is_vision_checkpoint
+    from praisonai_accel.data.vision_processor import ModelInputs, model_inputs
     from praisonai_accel.runtime.distributed import DistEnv
-    from praisonai_accel.models.inference import takes_images
+    from praisonai_accel.models.inference import inputs_of
 
     def fake_hub(folder):
         def download(repo_id, filename, revision=None, **_):
@@ -172,19 +172,19 @@ def test_whether_a_checkpoint_takes_images_is_one_rule_fetched_from_the_hub_when
     monkeypatch.setattr(model_module, "import_unsloth", unsloth_imported)
     config = parse_config({"model_name": "someone/tiny-idefics3", "dataset": "d.jsonl"})
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert declares_images(config) is None and is_vision_checkpoint(config) is False
-    backend = model_module.choose_backend(config, DistEnv(), use_cuda=True)
+    assert model_inputs(config).images is None and model_inputs(config).vision is False
+    backend = model_module.choose_backend(config, DistEnv(), use_cuda=True, inputs=model_inputs(config))
     assert backend.name == "transformers" and "someone/tiny-idefics3 takes images cannot be told" in backend.reason
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_hub(vlm))
-    assert declares_images(config) is True
-    backend = model_module.choose_backend(config, DistEnv(), use_cuda=True)
+    assert model_inputs(config).images is True
+    backend = model_module.choose_backend(config, DistEnv(), use_cuda=True, inputs=model_inputs(config))
     assert (backend.name, backend.reason) == ("transformers", "a vision-language model")
-    assert takes_images(vlm) == (True, "idefics3")
+    assert inputs_of(vlm) == ModelInputs(True, "idefics3")
     no_processor = tmp_path / "no-processor"
     no_processor.mkdir()
     (no_processor / "config.json").write_text((vlm / "config.json").read_text())
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_hub(no_processor))
-    assert declares_images(config) is False  # a multimodal checkpoint saved without its processor: text
-    assert declares_images(parse_config({"model_name": str(vlm), "dataset": "d.jsonl",
-                                         "tokenizer_name": str(no_processor)})) is False  # the processor's source
+    assert model_inputs(config).images is False  # a multimodal checkpoint saved without its processor: text
+    assert model_inputs(parse_config({"model_name": str(vlm), "dataset": "d.jsonl",
+                                      "tokenizer_name": str(no_processor)})).images is False  # the processor's source

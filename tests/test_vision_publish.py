@@ -146,17 +146,18 @@ def test_what_takes_images_is_a_vision_config_saved_with_its_image_processor(tin
     from transformers import AutoModelForImageTextToText
 
     from conftest import make_architecture
-    from praisonai_accel.models.inference import takes_images
+    from praisonai_accel.data.vision_processor import ModelInputs
+    from praisonai_accel.models.inference import inputs_of
     from praisonai_accel.publish.gguf import GGUFError, plan_export
 
-    assert takes_images(tiny_model) == (False, "llama")
+    assert inputs_of(tiny_model) == ModelInputs(False, "llama")
     text_trained = make_architecture(tmp_path / "gemma3", "gemma3")
-    assert takes_images(text_trained) == (False, "gemma3")
+    assert inputs_of(text_trained) == ModelInputs(False, "gemma3")
     monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(tmp_path / "no-converter"))  # nothing fetched, whatever is cached
     with pytest.raises(GGUFError, match="LLAMA_CPP_CONVERTER=.*holds no convert_hf_to_gguf.py"):
         plan_export(text_trained, ["f16"], tmp_path / "gguf")  # past the vision rule, on to the converter
-    assert takes_images(vlm) == (True, "idefics3")
+    assert inputs_of(vlm) == ModelInputs(True, "idefics3")
     adapter = get_peft_model(AutoModelForImageTextToText.from_pretrained(vlm),
                              LoraConfig(r=2, target_modules=["q_proj"]))
     adapter.save_pretrained(tmp_path / "adapter")
-    assert takes_images(tmp_path / "adapter") == (True, "idefics3")
+    assert inputs_of(tmp_path / "adapter") == ModelInputs(True, "idefics3")

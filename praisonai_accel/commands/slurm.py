@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..config import load_config
+from ..data.vision_processor import model_inputs
 from ..launcher.prelaunch import check_launch
 
 
@@ -26,7 +27,7 @@ def slurm_command(
     from ..launcher.slurm import slurm_script
 
     cfg = load_config(config)
-    check_launch(cfg, nodes * gpus_per_node, dry_run=True)  # it prints a script: no call to the Hub
+    check_launch(cfg, nodes * gpus_per_node, dry_run=True, inputs=model_inputs(cfg))  # a script: no call to the Hub
     script = slurm_script(config, cfg, nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time,
                           account=account, job_name=job_name, cpu=cpu, signal_seconds=signal_seconds)
     typer.echo(script, nl=False)

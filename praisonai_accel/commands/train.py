@@ -9,7 +9,7 @@ import typer
 import yaml
 
 from ..config import load_config
-from ..data.vision_processor import declares_images
+from ..data.vision_processor import model_inputs
 from ..errors import first_line
 from ..launcher.prelaunch import check_accelerate_config, check_launch
 from ._common import fail
@@ -62,7 +62,8 @@ def train_command(
         processes = total_processes(accel)
         here = max(1, processes // int(accel.get("num_machines", 1) or 1))
 
-    start = check_launch(cfg, processes, dry_run=dry_run)
+    inputs = model_inputs(cfg)
+    start = check_launch(cfg, processes, dry_run=dry_run, inputs=inputs)
     status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     handoff = worker_environment(verbose=verbose, preprocessing_status=status, run_lock=not dry_run,
                                  checked_checkpoints=verdicts(),
@@ -77,7 +78,7 @@ def train_command(
     groups = plan.num_processes // cfg.sequence_parallel_size  # a sequence-parallel group trains one row at a time
     effective = f"{per_device} x {accum} x {groups} = {per_device * accum * groups}"
     if dry_run:
-        shown = keys_shown(cfg, declares_images(cfg))
+        shown = keys_shown(cfg, inputs.images)
         left_out = len(cfg.model_dump()) - len(shown)
         typer.echo("# resolved config" + (f" ({left_out} keys at their default that this run does not read left out)"
                                           if left_out else ""))
@@ -153,7 +154,7 @@ def train_on_ray(config: Path, cfg, num_workers: int, address: Optional[str], cp
         fail("--ray places the workers itself: use --num-workers (and --address for a cluster) instead of --gpus, "
              "--nnodes, --fsdp or --accelerate-config")
     import_ray()
-    start = check_launch(cfg, num_workers, dry_run=dry_run)
+    start = check_launch(cfg, num_workers, dry_run=dry_run, inputs=model_inputs(cfg))
     if dry_run:
         typer.echo(f"# Ray Train: {num_workers} worker(s) on {address or 'a local Ray instance'}; start: {start}")
         raise typer.Exit(0)

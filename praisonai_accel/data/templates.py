@@ -23,14 +23,15 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def load_tokenizer(config: TrainConfig):
+def load_tokenizer(config: TrainConfig, inputs=None):
     """The run's tokenizer with its chat template and pad token settled (ensure_chat_template): what training,
-    `preprocess`, `preview` and the launcher's preprocessing all tokenize with."""
+    `preprocess`, `preview` and the launcher's preprocessing all tokenize with. `inputs`: what the model takes
+    (vision_processor.ModelInputs) where the caller has decided it; decided here otherwise."""
     from transformers import AutoTokenizer
 
-    from .vision_processor import is_vision_checkpoint, load_processor, tokenizer_of
+    from .vision_processor import load_processor, model_inputs, tokenizer_of
 
-    if is_vision_checkpoint(config):  # its processor's tokenizer, carrying the processor and its chat template
+    if (inputs or model_inputs(config)).vision:  # its processor's tokenizer, carrying the processor and its template
         tokenizer = tokenizer_of(load_processor(config))
         ensure_chat_template(tokenizer, config.chat_template)
         return tokenizer

@@ -8,6 +8,8 @@ Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, ...).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..config import ConfigError
 
 PROCESSOR_ATTRIBUTE = "praisonai_processor"  # the tokenizer of a vision-language model carries its processor here
@@ -20,8 +22,8 @@ def _image_text_to_text(model_type) -> bool:
 
 
 def is_vision_config(model_config) -> bool:
-    """Does this transformers config describe a model that takes images (and text)? (takes_images adds: and its
-    image processor is saved with it)"""
+    """Does this transformers config describe a model that takes images (and text)? (checkpoint_inputs adds: and
+    its image processor is saved with it)"""
     return (getattr(model_config, "vision_config", None) is not None
             and _image_text_to_text(getattr(model_config, "model_type", None)))
 
@@ -58,12 +60,26 @@ def checkpoint_file(name: str, filename: str, revision: str | None = None):
         return None
 
 
-def takes_images(model: str, revision: str | None = None, processor_sources=None) -> bool | None:
-    """THE rule for whether a checkpoint takes images, everywhere (before launch, the backend, the worker, the model
-    card, GGUF / Ollama, inference): its config.json names a vision tower of an image-text-to-text model
-    (AutoModelForImageTextToText: LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...) and an image processor is saved where its
-    processor is loaded from (`processor_sources`: (name, revision) pairs, any one; default the model). A
-    multimodal checkpoint saved without one trains as text. None when its files cannot be had here.
+@dataclass(frozen=True)
+class ModelInputs:
+    """What a checkpoint takes besides text, decided once (checkpoint_inputs) and handed on: by the launcher to its
+    checks and --dry-run; by the worker to the backend's choice, the model's loading, the tokenizer, its checks and
+    the model card; by inference to the processor's loading, GGUF / Ollama and serving."""
+
+    images: bool | None  # None: its files cannot be had here (decided again once the model is downloaded)
+    model_type: str | None = None
+
+    @property
+    def vision(self) -> bool:
+        """Takes images; not knowing counts as text (loading the model then says why it cannot)."""
+        return bool(self.images)
+
+
+def checkpoint_inputs(model: str, revision: str | None = None, processor_sources=None) -> ModelInputs:
+    """THE rule for whether a checkpoint takes images, everywhere: its config.json names a vision tower of an
+    image-text-to-text model (AutoModelForImageTextToText: LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...) and an image
+    processor is saved where its processor is loaded from (`processor_sources`: (name, revision) pairs, any one;
+    default the model). A multimodal checkpoint saved without one trains as text.
 
     Read from files; transformers is imported only for a config with a vision tower and an image processor (a text
     model's path, unsloth first, is unchanged)."""
@@ -71,29 +87,25 @@ def takes_images(model: str, revision: str | None = None, processor_sources=None
 
     path = checkpoint_file(model, "config.json", revision)
     if not path:
-        return None
+        return ModelInputs(None)
     try:
         model_config = json.loads(path.read_text())
+        model_type = model_config.get("model_type")
         if not isinstance(model_config.get("vision_config"), dict):
-            return False
+            return ModelInputs(False, model_type)
     except (OSError, ValueError, AttributeError):
-        return None
+        return ModelInputs(None)
     found = [checkpoint_file(name, filename, rev) for name, rev in (processor_sources or [(model, revision)])
              for filename in PROCESSOR_FILES]
     if not any(found):
-        return None if None in found else False
-    return _image_text_to_text(model_config.get("model_type"))
+        return ModelInputs(None if None in found else False, model_type)
+    return ModelInputs(_image_text_to_text(model_type), model_type)
 
 
-def declares_images(config) -> bool | None:
-    """takes_images of config.model_name, its processor from tokenizer_name where set (as load_processor reads it)."""
+def model_inputs(config) -> ModelInputs:
+    """checkpoint_inputs of a run's model, its processor from tokenizer_name where set (as load_processor reads it)."""
     source = (config.tokenizer_name, None) if config.tokenizer_name else (config.model_name, config.revision)
-    return takes_images(config.model_name, config.revision, [source])
-
-
-def is_vision_checkpoint(config) -> bool:
-    """declares_images, where not knowing counts as text (loading the model then says why it cannot)."""
-    return bool(declares_images(config))
+    return checkpoint_inputs(config.model_name, config.revision, [source])
 
 
 def load_processor(config):

@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..checks import Situation, check_run, deepspeed_rule, resume_rule
 from ..config import ConfigError
+from ..data.vision_processor import ModelInputs
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")  # the keys of config.LOCAL_DATA_LOADERS
 
@@ -97,7 +98,7 @@ def local_model_config(config):
         return None
 
 
-def check_gguf(config) -> None:
+def check_gguf(config, inputs: ModelInputs) -> None:
     """save_gguf / huggingface_save_gguf / ollama_save need llama.cpp's converter, the engine, a known architecture
     and a token; none of them, nor ollama_model, takes a vision-language model: refused before launch, not after
     training."""
@@ -106,7 +107,7 @@ def check_gguf(config) -> None:
     from ..publish.gguf import GGUFError, check_before_training
 
     try:
-        check_before_training(config)
+        check_before_training(config, inputs)
     except GGUFError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -128,27 +129,30 @@ def check_eval_tasks(config) -> None:
                           f"{', '.join('eval_' + metric_key(task, m) for m in metrics[task])}")
 
 
-# In order, around checks.RULES (None marks where they run): (name, check, skipped on a dry run)
-_MACHINE_CHECKS: tuple[tuple[str, Callable | None, bool], ...] = (
-    ("local inputs", check_local_inputs, False),
-    ("trackers", check_trackers, False),
-    ("GGUF export", check_gguf, False),
+# In order, around checks.RULES (None marks where they run): (name, check of the situation, skipped on a dry run)
+_MACHINE_CHECKS: tuple[tuple[str, Callable[[Situation], None] | None, bool], ...] = (
+    ("local inputs", lambda s: check_local_inputs(s.config), False),
+    ("trackers", lambda s: check_trackers(s.config), False),
+    ("GGUF export", lambda s: check_gguf(s.config, s.inputs or ModelInputs(None)), False),
     ("rules", None, False),
-    ("eval_tasks", check_eval_tasks, False),
-    ("Hub access", check_hub_access, True),
+    ("eval_tasks", lambda s: check_eval_tasks(s.config), False),
+    ("Hub access", lambda s: check_hub_access(s.config), True),
 )
 
 
-def check_launch(config, num_processes: int, here: bool = True, dry_run: bool = False) -> str:
+def check_launch(config, num_processes: int, here: bool = True, dry_run: bool = False,
+                 inputs: ModelInputs | None = None) -> str:
     """The one pass before any process starts; returns where the run starts (resume or fresh), as far as this
     machine can tell. `here`: the training sees this machine's files and Python environment (train, --ray, slurm);
-    False for a Kubernetes manifest, where only the config's own rules are checked."""
+    False for a Kubernetes manifest, where only the config's own rules are checked. `inputs`: what the model takes,
+    as the caller decided it (data/vision_processor.model_inputs)."""
+    model_config = local_model_config(config) if here and config.sequence_parallel_size > 1 else None
+    situation = Situation(config, num_processes, "launch", sees_files=here, model_config=model_config, inputs=inputs)
     for _name, check, not_on_dry_run in _MACHINE_CHECKS:
         if check is None:
-            model_config = local_model_config(config) if here and config.sequence_parallel_size > 1 else None
-            check_run(Situation(config, num_processes, "launch", sees_files=here, model_config=model_config))
+            check_run(situation)
         elif here and not (dry_run and not_on_dry_run):
-            check(config)
+            check(situation)
     if not here:
         return "decided in the pods (output_dir is on their volume)"
     start, _skip, _warning = resume_rule(config, num_processes)

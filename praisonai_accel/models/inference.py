@@ -7,6 +7,7 @@ import json
 import warnings
 from pathlib import Path
 
+from ..data.vision_processor import ModelInputs, checkpoint_inputs
 from ..run_dir.output_dirs import read_marker
 
 
@@ -59,21 +60,23 @@ def _holds_processor(directory: Path) -> bool:
     return any((directory / name).is_file() for name in PROCESSOR_FILES)
 
 
-def takes_images(model_dir: Path, trust_remote_code: bool = False) -> tuple[bool, str]:
-    """(whether the model in this directory takes images, its model_type), by data/vision_processor.takes_images: a
-    vision-language config saved with an image processor here or, for an adapter, with its base model (a folder,
-    the Hub cache or the Hub). A multimodal model saved with its tokenizer alone is a text model, as training
-    treats it."""
-    from ..data.vision_processor import takes_images as checkpoint_takes_images
-
+def inputs_of(model_dir: Path, trust_remote_code: bool = False) -> ModelInputs:
+    """What the model in this directory takes, by data/vision_processor.checkpoint_inputs: a vision-language config
+    saved with an image processor here or, for an adapter, with its base model (a folder, the Hub cache or the Hub).
+    A multimodal model saved with its tokenizer alone is a text model, as training treats it."""
     model_dir = Path(model_dir)
     model_type = model_config_of(model_dir, trust_remote_code).model_type
     if (model_dir / "adapter_config.json").is_file():
         base, revision = base_model_of(model_dir), (read_marker(model_dir) or {}).get("revision")
-        images = checkpoint_takes_images(base, revision, [(str(model_dir), None), (base, revision)])
+        images = checkpoint_inputs(base, revision, [(str(model_dir), None), (base, revision)]).images
     else:
-        images = checkpoint_takes_images(str(model_dir))
-    return bool(images), model_type
+        images = checkpoint_inputs(str(model_dir)).images
+    return ModelInputs(bool(images), model_type)
+
+
+def takes_images(model_dir: Path, trust_remote_code: bool = False) -> tuple[bool, str]:
+    inputs = inputs_of(model_dir, trust_remote_code)
+    return inputs.vision, inputs.model_type
 
 
 def _vision_processor(model_dir: Path, adapter: bool, revision: str | None, trust_remote_code: bool):
@@ -122,7 +125,7 @@ def load_for_inference(path: Path, device: str | None = None, trust_remote_code:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     adapter = (model_dir / "adapter_config.json").is_file()
     processor = None
-    if takes_images(model_dir, trust_remote_code)[0]:
+    if inputs_of(model_dir, trust_remote_code).vision:
         processor = _vision_processor(model_dir, adapter, facts.get("revision"), trust_remote_code)
     if processor is not None:
         from transformers import AutoModelForImageTextToText

@@ -15,7 +15,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 from ..errors import first_line
 from ..data import ensure_chat_template, load_tokenizer
-from ..data.vision_processor import declares_images, is_vision_checkpoint
+from ..data.vision_processor import ModelInputs
 from ..runtime.distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 
 SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (methods/base.py): a reward model
@@ -40,7 +40,7 @@ def import_unsloth() -> tuple[Any, str]:
         return None, f"{type(exc).__name__}: {first_line(exc, '')}"
 
 
-def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend:
+def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool, inputs: ModelInputs) -> Backend:
     """Decide, and import unsloth if chosen, before transformers is imported anywhere."""
     if config.use_unsloth is False:
         return Backend("transformers", reason="use_unsloth: false")
@@ -49,8 +49,7 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
             raise ConfigError(f"use_unsloth: true: method: {config.method} trains a sequence classifier, which unsloth "
                               "does not load; set use_unsloth: auto or false")
         return Backend("transformers", reason="a sequence classifier (a reward model)")
-    images = declares_images(config)
-    if images:
+    if inputs.vision:
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true: vision-language models are trained with transformers + peft here; "
                               "set use_unsloth: auto or false")
@@ -59,7 +58,7 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool) -> Backend
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true needs a CUDA GPU, and none is visible; set use_unsloth: auto or false")
         return Backend("transformers", reason="no CUDA GPU")
-    if images is None and config.use_unsloth is not True:  # unsloth's loader is text-only: not for a model that may
+    if inputs.images is None and config.use_unsloth is not True:  # unsloth's loader is text-only: not for a model that may
         return Backend("transformers", reason=f"whether {config.model_name} takes images cannot be told (its "
                                               "config.json is neither here nor fetched from the Hub)")
     mark_unsloth_ddp(env)
@@ -168,12 +167,10 @@ def _quantization_config(compute_dtype, skip_modules: list[str] | None = None):
     return BitsAndBytesConfig(**quantization_settings(compute_dtype, skip_modules))
 
 
-def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
+def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision: bool):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     from . import vision as vision_model
-
-    vision = is_vision_checkpoint(config)
 
     kwargs: dict[str, Any] = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
     if device_map is not None:
@@ -211,8 +208,10 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype):
     return model
 
 
-def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend, use_cuda: bool, bf16_supported: bool):
-    """The trainable model on this rank's device, and its tokenizer."""
+def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend, use_cuda: bool, bf16_supported: bool,
+                             inputs: ModelInputs):
+    """The trainable model on this rank's device, and its tokenizer (a vision-language model's carries its processor:
+    `inputs`, as the worker decided them)."""
     import torch
 
     device_map = resolve_device_map(config.device_map, env, use_cuda, sharded=fsdp_requested(),
@@ -223,8 +222,8 @@ def load_model_and_tokenizer(config: TrainConfig, env: DistEnv, backend: Backend
             model, tokenizer = _load_with_unsloth(config, env, device_map, backend.module, dtype)
             ensure_chat_template(tokenizer, config.chat_template)
             return model, tokenizer
-        tokenizer = load_tokenizer(config)
-        model = _load_with_transformers(config, device_map, dtype)
+        tokenizer = load_tokenizer(config, inputs)
+        model = _load_with_transformers(config, device_map, dtype, inputs.vision)
         if config.model_head == SEQUENCE_CLASSIFIER:  # the classifier reads each row's reward at its last non-pad token
             model.config.pad_token_id = tokenizer.pad_token_id
         return model, tokenizer

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
+from ..data.vision_processor import ModelInputs
 from . import gguf_engine
 from .gguf_llamacpp import GGUFError, check_engine, converter_architectures, find_converter, vision_refusal
 from .gguf_convert import convert, set_metadata
@@ -104,11 +105,11 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
                         "own code")
     model_config = _config_of(source, adapter, facts.get("revision"), trust_remote_code)
     if model_config.get("vision_config") is not None:
-        from ..models.inference import takes_images
+        from ..models.inference import inputs_of
 
-        images, model_type = takes_images(source, trust_remote_code)
-        if images:
-            raise GGUFError(vision_refusal("gguf export", model_type))
+        inputs = inputs_of(source, trust_remote_code)
+        if inputs.vision:
+            raise GGUFError(vision_refusal("gguf export", inputs.model_type))
     architecture = (model_config.get("architectures") or ["unknown"])[0]
     if dequantize_base is None:
         dequantize_base = adapter and trained_with_qlora(source)
@@ -293,13 +294,18 @@ def wanted(config: TrainConfig) -> bool:
     return bool(config.save_gguf or config.huggingface_save_gguf or config.ollama_save)
 
 
-def check_before_training(config: TrainConfig) -> None:
+def check_before_training(config: TrainConfig, inputs: ModelInputs) -> None:
     """What after_training will need, checked before launch: GGUFError with one line, nothing trained yet. A
-    vision-language model is refused any GGUF or Ollama publishing (ollama_model too: the safetensors route)."""
+    vision-language model (`inputs`, as the launcher decided them) is refused any GGUF or Ollama publishing
+    (ollama_model too: the safetensors route)."""
     if not (wanted(config) or config.ollama_model):
         return
-    from ..data.vision_processor import is_vision_checkpoint
-
+    if inputs.vision:
+        keys = ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model")
+        key = next(k for k in keys if getattr(config, k))
+        raise GGUFError(vision_refusal(key, inputs.model_type))
+    if not wanted(config):
+        return
     try:
         from transformers import AutoConfig
 
@@ -307,12 +313,6 @@ def check_before_training(config: TrainConfig) -> None:
                                                   trust_remote_code=config.trust_remote_code)
     except Exception:  # training reports an unreadable model itself
         model_config = None
-    if model_config is not None and is_vision_checkpoint(config):
-        keys = ("save_gguf", "huggingface_save_gguf", "ollama_save", "ollama_model")
-        key = next(k for k in keys if getattr(config, k))
-        raise GGUFError(vision_refusal(key, model_config.model_type))
-    if not wanted(config):
-        return
     architecture = (getattr(model_config, "architectures", None) or [None])[0]
     check_toolchain(config.quantization_method, architecture, config.finetune_type == "qlora", config.output_path() / "gguf")
     if config.huggingface_save_gguf:

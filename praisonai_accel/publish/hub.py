@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import ConfigError, TrainConfig
+from ..data.vision_processor import ModelInputs
 from ..errors import first_line
 from ..run_dir.output_dirs import MARKER as OUTPUT_MARKER
 
@@ -154,16 +155,14 @@ class HubPublisher:
         return self.errors
 
 
-def model_card(config: TrainConfig, summary: dict, latest_eval: dict | None = None) -> str:
+def model_card(config: TrainConfig, summary: dict, inputs: ModelInputs, latest_eval: dict | None = None) -> str:
     """README.md for the pushed folder: what it is, what it was trained on, how, and how well: the last scores of
     eval_tasks (summary["eval_scores"]) and the latest `praisonai-accel eval` results file of the run, if any."""
     # Local paths name someone's disk (/home/alice/private/...): only a file's name is published.
     datasets = [d.name if is_hub_id(d.name) else Path(d.name).name for d in config.dataset]
     hub_datasets = [d.name for d in config.dataset if is_hub_id(d.name)]
     base = config.model_name if is_hub_id(config.model_name) else Path(config.model_name).name
-    from ..data.vision_processor import is_vision_checkpoint
-
-    vision = is_vision_checkpoint(config)
+    vision = inputs.vision
     reward = getattr(config, "model_head", "causal-lm") == "sequence-classification"  # a reward model (methods/reward.py)
     pipeline = "image-text-to-text" if vision else "text-classification" if reward else "text-generation"
     front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + [

@@ -95,13 +95,13 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
     """How to build the Ollama model from a trained adapter dir (FROM base + ADAPTER) or a merged model dir."""
     from transformers import AutoTokenizer
 
-    from ..models.inference import takes_images
+    from ..models.inference import inputs_of
     from .gguf_llamacpp import vision_refusal
 
     source = Path(adapter_or_model)
-    images, model_type = takes_images(source, trust_remote_code)
-    if images:
-        raise OllamaRefused(vision_refusal("ollama", model_type))
+    inputs = inputs_of(source, trust_remote_code)
+    if inputs.vision:
+        raise OllamaRefused(vision_refusal("ollama", inputs.model_type))
     tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
     template = go_template(tokenizer)
     stops = stop_tokens(tokenizer, template if template is not None else str(tokenizer.chat_template or ""))

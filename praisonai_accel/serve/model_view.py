@@ -78,11 +78,11 @@ def stop_ids(model_dir: Path, trust_remote_code: bool = False) -> list[int]:
 
     from transformers import AutoTokenizer
 
-    from ..models.inference import is_processor, stop_token_ids, takes_images
+    from ..models.inference import inputs_of, is_processor, stop_token_ids
 
     generation = generation_config_of(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    if takes_images(model_dir, trust_remote_code)[0]:  # as load_for_inference decides: the processor's template
+    if inputs_of(model_dir, trust_remote_code).vision:  # as load_for_inference decides: the processor's template
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

@@ -21,6 +21,7 @@ from typing import Iterator
 
 from ..checks import Situation, check_run
 from ..config import ConfigError, TrainConfig
+from ..data.vision_processor import model_inputs
 from ..runtime.distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..runtime.handoff import VERBOSE_ENV
 from ..logs import quiet_libraries
@@ -65,8 +66,8 @@ class Recipe:
         # set up by setup()
         self.accelerator = None
         self.backend = None  # model.Backend: transformers or unsloth
-        self.reentrant = False  # reentrant gradient checkpointing (unsloth's, or asked for)
-        self.packing = False
+        self.inputs = None  # data/vision_processor.ModelInputs: whether the model takes images
+        self.reentrant = self.packing = False  # reentrant gradient checkpointing (unsloth's, or asked for)
         self.sp = None  # sequence_parallel.SequenceParallel when sequence_parallel_size > 1
         self.data_parallel = 1  # processes reading different rows (a sequence-parallel group reads the same)
         self.resume_point = resume.ResumePoint(None)
@@ -91,7 +92,8 @@ class Recipe:
         config = self.config
         use_cuda = torch.cuda.is_available()
         bf16 = gpu_has_bf16()  # the model's dtype, LoRA's, autocast's and unsloth's all follow from this one answer
-        self.backend = choose_backend(config, self.env, use_cuda)  # imports unsloth, if at all, before transformers
+        self.inputs = model_inputs(config)  # what the model takes besides text, decided once for the whole run
+        self.backend = choose_backend(config, self.env, use_cuda, self.inputs)  # unsloth, if at all, before transformers
         self.reentrant = uses_reentrant_checkpointing(config, self.backend)
         self.packing = packing_for(config, self.backend, warn=self.env.is_main)
         self.accelerator = accelerator = build_accelerator(config, self.env.is_distributed, self.reentrant, use_cuda, bf16)
@@ -116,11 +118,11 @@ class Recipe:
 
         self.model_commit = resolve_commit(config)
         pinned = config.model_copy(update={"revision": self.model_commit}) if self.model_commit else config
-        model, self.tokenizer = load_model_and_tokenizer(pinned, self.env, self.backend, use_cuda, bf16)
+        model, self.tokenizer = load_model_and_tokenizer(pinned, self.env, self.backend, use_cuda, bf16, self.inputs)
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
-        check_run(Situation(config, accelerator.num_processes, "loaded", model_config=model.config))
+        check_run(Situation(config, accelerator.num_processes, "loaded", model_config=model.config, inputs=self.inputs))
         self.sp = start_groups(config)
 
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
@@ -359,7 +361,7 @@ class Recipe:
             "model_commit": self.model_commit,
             **task_summary(config, self.metrics),
         }
-        outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary, latest_eval(self.output_dir)))
+        outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary, self.inputs, latest_eval(self.output_dir)))
         if self.publisher is not None:
             self.publisher.on_final(final_dir)
         digests = gather_object([outputs.parameter_digest(accelerator.unwrap_model(self.model))])

@@ -54,7 +54,7 @@ def serve_command(
     from ..serve.target import resolve_target
 
     show_progress_lines()
-    chosen = resolve_target(target, engine, name, quantization)
+    chosen = resolve_target(target, engine, name, quantization, trust_remote_code)
     check_api_key(chosen.engine, api_key)
     if chosen.model_dir is not None and (read_marker(chosen.model_dir) or {}).get("trust_remote_code") \
             and not trust_remote_code:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..run_dir.checkpoints import step_of
 
 ENGINES = ("auto", "transformers", "llama-cpp", "vllm")
 # best first: what `auto` picks among a run's GGUF exports
@@ -97,7 +98,17 @@ def require_engine(engine: str) -> None:
         raise ServeError(f"--engine {engine}: not installed (no {', '.join(missing)}); {ENGINE_EXTRAS[engine]}")
 
 
-def resolve_target(path: Path, engine: str = "auto", name: str | None = None, quantization: str | None = None) -> Target:
+def checkpoint_model(path: Path, trust_remote_code: bool = False) -> tuple[Path, str]:
+    """A checkpoint-<step> directory: (the model it holds, its adapter/, as `eval` finds it, its base checked to be at
+    hand; the name of the run it belongs to, finished or still training)."""
+    from ..evaluate.targets import resolve_target as resolve_eval_target
+
+    found = resolve_eval_target(str(path), trust_remote_code)
+    return Path(found.model), Path(found.output_dir or path.parent).resolve().name
+
+
+def resolve_target(path: Path, engine: str = "auto", name: str | None = None, quantization: str | None = None,
+                   trust_remote_code: bool = False) -> Target:
     """The model to serve and its engine, every refusal one line; nothing is loaded."""
     from ..models.inference import ModelDirError, resolve_model_dir
 
@@ -106,7 +117,10 @@ def resolve_target(path: Path, engine: str = "auto", name: str | None = None, qu
     path = Path(path)
     if not path.exists():
         raise ServeError(f"{path}: no such file or directory")
-    name = check_name(name if name is not None else default_name(path))
+    checkpoint, run_name = None, None
+    if path.is_dir() and step_of(path) >= 0 and engine != "llama-cpp":
+        checkpoint, run_name = checkpoint_model(path, trust_remote_code)
+    name = check_name(name if name is not None else run_name or default_name(path))
     if quantization and engine in ("transformers", "vllm"):
         raise ServeError(f"--quantization picks one of a run's GGUF exports, which --engine llama-cpp serves, not "
                          f"--engine {engine}")
@@ -139,7 +153,7 @@ def resolve_target(path: Path, engine: str = "auto", name: str | None = None, qu
         raise ServeError(f"--engine llama-cpp: {path} holds no .gguf file; export one first "
                          f"(praisonai-accel export gguf {path} -q q8_0) or serve it with --engine transformers")
     try:
-        model_dir = resolve_model_dir(path)
+        model_dir = checkpoint or resolve_model_dir(path)
     except ModelDirError as exc:
         raise ServeError(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:  # an unreadable train_summary.json

@@ -1,5 +1,6 @@
 """`praisonai-accel eval`: the numbers equal the lm_eval CLI's on the same model, adapter (peft=) and local tasks, on
-1 and 2 processes; base against tuned and the regression gate; every bad input one line and exit 2."""
+1 and 2 processes; base against tuned and the regression gate; the chat template as the run trained; a vision
+run on text tasks; every bad input one line and exit 2."""
 
 from __future__ import annotations
 
@@ -137,6 +138,9 @@ def test_eval_equals_the_lm_eval_cli_on_the_adapter(setup, one_process):
     assert ours["tuned"]["results"]["tiny_gen"]["exact_match,none"] == 0.5
     assert ours["adapter"] == str(setup["adapter"]) and ours["model"] == str(setup["base"])
     assert len(ours["config_sha256"]) == 64
+    # a model that is no run keeps lm-eval's default, as the lm_eval CLI above: no chat template, and no line
+    assert ours["options"]["apply_chat_template"] is False and ours["tuned"]["chat_template"] is None
+    assert "chat template:" not in result.stderr
 
 
 def test_base_against_tuned_and_the_regression_gate(setup, one_process):
@@ -197,6 +201,102 @@ def test_paired_test_is_scipys_paired_t_test():
     assert paired_test({"0": 1.0}, {"0": 0.0}) == (None, None)
 
 
+def _run_around(adapter: Path, run_dir: Path, **summary) -> Path:
+    """A run's output_dir holding `adapter` as its final model, with train_summary.json's `summary`."""
+    import shutil
+
+    shutil.copytree(adapter, run_dir / "lora_model")
+    (run_dir / "train_summary.json").write_text(json.dumps({"global_step": 5, **summary,
+                                                            "final_model_dir": str(run_dir / "lora_model")}))
+    return run_dir
+
+
+def _prompts(scored: dict, task: str) -> list[str]:
+    """The context lm-eval scored each request of `task` with (the samples of --log-samples)."""
+    return [request[0] for sample in scored["samples"][task] for request in sample["arguments"]]
+
+
+def test_a_run_trained_on_conversations_is_scored_with_its_chat_template(setup, tmp_path):
+    """By default as the run trained: its rows were messages, so lm-eval renders every prompt with the run's
+    template (the samples show it, the results file records it as lm-eval's own does); --no-apply-chat-template
+    scores the plain text."""
+    from lm_eval.utils import hash_string
+    from transformers import AutoTokenizer
+
+    run_dir = _run_around(setup["adapter"], tmp_path / "run", data_formats={"chat.jsonl": "messages"})
+    tokenizer = AutoTokenizer.from_pretrained(setup["adapter"])
+    questions = [json.loads(line)["question"] for line in (setup["tasks"] / "tiny_mc.jsonl").read_text().splitlines()]
+    templated = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True) for q in questions[:4]]
+    scored = {}
+    for flag in ([], ["--no-apply-chat-template"]):
+        out = tmp_path / f"scored{len(flag)}.json"
+        result = _invoke(str(run_dir), "--tasks", "tiny_mc", "--include-path", str(setup["tasks"]), "--limit", "4",
+                         "--log-samples", "--output", str(out), *flag)
+        assert result.exit_code == 0, result.output[-3000:]
+        scored[bool(flag)] = (result, json.loads(out.read_text()))
+    result, on = scored[False]
+    assert ("chat template: applied (the run trained on messages rows through it; --no-apply-chat-template to score "
+            "without)") in result.stderr.splitlines()
+    assert on["options"]["apply_chat_template"] is True
+    assert on["tuned"]["chat_template"] == tokenizer.chat_template
+    assert on["tuned"]["chat_template_sha"] == hash_string(tokenizer.chat_template)
+    assert sorted(set(_prompts(on["tuned"], "tiny_mc"))) == sorted(templated)
+    result, off = scored[True]
+    assert "chat template: not applied (--no-apply-chat-template)" in result.stderr.splitlines()
+    assert off["options"]["apply_chat_template"] is False and off["tuned"]["chat_template"] is None
+    assert sorted(set(_prompts(off["tuned"], "tiny_mc"))) == sorted(questions[:4])
+
+
+def test_the_default_follows_what_the_run_recorded(setup, tmp_path):
+    """Rows of text train without the template, and a run that recorded no format is not guessed at: each says why;
+    a model that is no run gets no line."""
+    from praisonai_accel.evaluate.targets import chat_template_choice, resolve_target
+
+    def choice(run_dir, requested=None):
+        return chat_template_choice(resolve_target(str(run_dir)), requested)
+
+    text = _run_around(setup["adapter"], tmp_path / "text", data_formats={"a.jsonl": "text"})
+    assert choice(text) == (False, "chat template: not applied (the run trained on text rows; --apply-chat-template "
+                                   "to apply it)")
+    assert choice(text, True) == (True, "chat template: applied (--apply-chat-template)")
+    mixed = _run_around(setup["adapter"], tmp_path / "mixed", data_formats={"a.jsonl": "text", "b.jsonl": "alpaca"})
+    assert choice(mixed)[0] is True and "alpaca rows" in choice(mixed)[1]
+    unknown = _run_around(setup["adapter"], tmp_path / "unknown")
+    assert choice(unknown) == (False, "chat template: not applied (the run does not record the format of its rows; "
+                                      "--apply-chat-template to apply it)")
+    assert choice(setup["adapter"]) == (False, None) and choice(setup["base"]) == (False, None)
+
+
+def test_a_vision_run_scores_text_tasks_as_lm_evals_hf_multimodal(setup, tmp_path):
+    """A vision-language model answers a text task with its language model, through its template's typed content
+    parts (Idefics3's renders a plain-string turn without its text): the prompts and the greedy generations equal
+    lm-eval's own hf-multimodal model's on the same checkpoint; a multiple-choice task scores too."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from praisonai_accel.demo.vision import make_tiny_vlm, unbuildable_reason
+
+    if unbuildable_reason("idefics3"):
+        pytest.skip(unbuildable_reason("idefics3"))
+    run_dir = tmp_path / "vision-run"
+    make_tiny_vlm("idefics3", run_dir / "model")
+    (run_dir / "train_summary.json").write_text(json.dumps({"global_step": 3, "final_model_dir": str(run_dir / "model")}))
+    out = tmp_path / "vision.json"
+    result = _invoke(str(run_dir), "--tasks", "tiny_gen,tiny_mc", "--include-path", str(setup["tasks"]), "--limit", "4",
+                     "--batch-size", str(BATCH), "--log-samples", "--output", str(out))
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "chat template: applied (a vision run trains on conversations through it" in result.stderr
+    ours = json.loads(out.read_text())["tuned"]
+    theirs = simple_evaluate(model="hf-multimodal", model_args=f"pretrained={run_dir / 'model'}", device="cpu",
+                             batch_size=BATCH, tasks=["tiny_gen"], limit=4, apply_chat_template=True, log_samples=True,
+                             task_manager=TaskManager(include_path=str(setup["tasks"])))
+    prompts = _prompts(ours, "tiny_gen")
+    assert prompts == _prompts(theirs, "tiny_gen") and all("repeat " in p and "User:" in p for p in prompts)
+    assert [s["resps"] for s in ours["samples"]["tiny_gen"]] == [s["resps"] for s in theirs["samples"]["tiny_gen"]]
+    assert len(ours["per_item"]["tiny_mc"]["acc"]) == 4 and "acc,none" in ours["results"]["tiny_mc"]
+
+
 def _one_line(result, *expected: str):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -216,6 +316,8 @@ def no_model_loads(monkeypatch):
 
 
 def test_bad_inputs_are_one_line_before_any_model_loads(setup, tmp_path, no_model_loads):
+    import shutil
+
     adapter, tasks = str(setup["adapter"]), str(setup["tasks"])
     _one_line(_invoke(adapter, "--tasks", "no_such_task", "--include-path", tasks), "no_such_task")
     _one_line(_invoke(adapter, "--tasks", "tiny_mc", "--include-path", str(tmp_path / "absent")),
@@ -237,6 +339,20 @@ def test_bad_inputs_are_one_line_before_any_model_loads(setup, tmp_path, no_mode
     _one_line(_invoke(adapter, "--tasks", "arc_easy"), "arc_easy", "cannot be reached")
     _one_line(_invoke(adapter, "--tasks", "tiny_mc", "--include-path", tasks, "--max-regression", "tiny_mc"),
               "TASK=DELTA")
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "tiny_img.yaml").write_text((setup["tasks"] / "tiny_mc.yaml").read_text().replace(
+        "task: tiny_mc", "task: tiny_img") + "doc_to_image: [question]\n")
+    _one_line(_invoke(adapter, "--tasks", "tiny_img", "--include-path", str(images)), "tiny_img",
+              "gives the model images", "hf-multimodal")
+    plain = tmp_path / "no-template"
+    shutil.copytree(setup["base"], plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((plain / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    _one_line(_invoke(str(plain), "--tasks", "tiny_mc", "--include-path", tasks, "--apply-chat-template"),
+              "--apply-chat-template", "has none")
 
 
 def test_lm_eval_missing_is_one_line_naming_the_extra(setup, monkeypatch):

@@ -59,10 +59,17 @@ def red_run(tmp_path_factory, tiny_model):
              "answer": r["output"]} for r in rows]
     (tasks / "likes_red.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / "likes_red.yaml").write_text(TASK_YAML.format(data=tasks / "likes_red.jsonl"))
-    config = _config(root, tiny_model, data, held_out, tasks)
+    trackers = {"report_to": "tensorboard"} if _tensorboard() else {}
+    config = _config(root, tiny_model, data, held_out, tasks, **trackers)
     result = cli("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "out", result
+
+
+def _tensorboard() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _config(root, tiny_model, data, held_out, tasks, **overrides):
@@ -93,10 +100,11 @@ def test_best_checkpoint_follows_the_task_score_not_the_eval_loss(red_run):
 
 def test_task_scores_are_lm_evals_own_on_the_final_model(red_run, tmp_path):
     """The logged score is lm-eval's on the model as it was at that step: `praisonai-accel eval` of the final model
-    (the best checkpoint's weights) gives the best score the run logged."""
+    (the best checkpoint's weights) gives the best score the run logged. The task's context is rendered with the
+    template already, and eval_tasks apply none: so neither does this eval, whatever the run records of its rows."""
     out, _ = red_run
     result = _invoke("eval", str(out), "--tasks", "likes_red", "--include-path", str(out.parent / "tasks"),
-                     "--limit", "4", "--output", str(tmp_path / "e.json"))
+                     "--limit", "4", "--no-apply-chat-template", "--output", str(tmp_path / "e.json"))
     assert result.exit_code == 0, result.output[-3000:]
     scored = json.loads((tmp_path / "e.json").read_text())["tuned"]["results"]["likes_red"]["perplexity,none"]
     assert scored == pytest.approx(read_summary(out)["best_metric"], rel=1e-4)
@@ -114,10 +122,28 @@ def test_two_ranks_score_their_shares_and_log_the_one_process_number(red_run, tm
     summary = read_summary(tmp_path / "out")
     assert summary["num_processes"] == 2 and summary["best_checkpoint"] == "checkpoint-24"
     scored = _invoke("eval", str(tmp_path / "out"), "--tasks", "likes_red", "--include-path", str(root / "tasks"),
-                     "--output", str(tmp_path / "e.json"))
+                     "--no-apply-chat-template", "--output", str(tmp_path / "e.json"))
     assert scored.exit_code == 0, scored.output[-3000:]
     one = json.loads((tmp_path / "e.json").read_text())["tuned"]["results"]["likes_red"]["perplexity,none"]
     assert one == pytest.approx(summary["best_metric"], rel=1e-4)
+
+
+def test_task_scores_reach_the_tracker(red_run):
+    """Each evaluation's task score goes to the trackers as eval_<task>/<metric>, at its step, as metrics.jsonl has
+    it (the red run reports to TensorBoard)."""
+    if not _tensorboard():
+        pytest.skip("tensorboard is not installed: the red run reported to no tracker")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = red_run
+    (run,) = (out / "runs").iterdir()
+    events = EventAccumulator(str(run))
+    events.Reload()
+    logged = [(m["step"], m["eval_likes_red/perplexity"]) for m in read_metrics(out) if "eval_likes_red/perplexity" in m]
+    assert [step for step, _ in logged] == [8, 16, 24]
+    scalars = events.Scalars("eval_likes_red/perplexity")
+    assert [e.step for e in scalars] == [step for step, _ in logged]
+    assert [e.value for e in scalars] == pytest.approx([value for _, value in logged])
 
 
 def test_report_shows_the_task_scores(red_run):

@@ -65,6 +65,7 @@ def test_two_processes_via_cli_and_via_torchrun_agree(tmp_path, tiny_model, alpa
         summary = read_summary(out)
         assert summary["num_processes"] == 2
         assert summary["weights_in_sync"] and len(summary["rank_weight_digests"]) == 2
+        assert summary["data_formats"] == {str(alpaca_file): "alpaca"}  # eval renders its prompts as they trained
         assert stderr.count("saved adapter to") == 1  # rank 0 alone saves and reports
         assert len(read_metrics(out)) == 6  # one writer: no duplicated lines
         assert_single_clean_adapter(out)

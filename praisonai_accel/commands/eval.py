@@ -23,7 +23,7 @@ def eval_command(
     limit: Optional[float] = typer.Option(None, "--limit", help="at most K documents per task (a fraction below 1)"),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", min=0),
     batch_size: int = typer.Option(8, "--batch-size", min=1),
-    apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="render prompts with the model's chat template (as the run trained, if it did)"),
+    apply_chat_template: Optional[bool] = typer.Option(None, "--apply-chat-template/--no-apply-chat-template", help="render prompts with the model's chat template (default: as the run trained; none for a model that is no run)", show_default=False),
     log_samples: bool = typer.Option(False, "--log-samples", help="keep every document's prompt, output and score in the results file"),
     output: Optional[Path] = typer.Option(None, "--output", help="the results JSON (default <output_dir>/eval/<timestamp>.json)"),
     base: bool = typer.Option(False, "--base", help="score the base model too (the adapter disabled) and show the change"),
@@ -46,7 +46,7 @@ def eval_command(
     from ..evaluate.results import default_path, write_results
     from ..evaluate.rewards import TASK, load_functions, read_prompts, reward_entries, reward_rows
     from ..evaluate.score import EvalRequest
-    from ..evaluate.targets import resolve_target
+    from ..evaluate.targets import chat_template_choice, resolve_target
     from ..evaluate.tasks import build_tasks, check_include_path, import_lm_eval, parse_task_names
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
@@ -71,12 +71,16 @@ def eval_command(
     resolved = resolve_target(target, trust_remote_code)
     if base and not resolved.adapter:
         fail(f"--base: {target} is a full model, not an adapter on a base; score the base model as its own TARGET")
+    if names:
+        apply_chat_template, template_line = chat_template_choice(resolved, apply_chat_template)
     if entries:  # every function loaded and every column it reads found before any model loads
         prompt_rows = read_prompts(prompts)
         functions = load_functions(entries, prompt_rows, Path.cwd())
     manager = build_tasks(names, include_path)[0] if names else None  # every task checked before any model loads
+    if names and template_line:
+        typer.echo(template_line, err=True)
     request = EvalRequest(resolved, names, str(include_path.resolve()) if include_path else None, limit, num_fewshot,
-                          batch_size, apply_chat_template, log_samples, base)
+                          batch_size, bool(apply_chat_template), log_samples, base)
     scored = _score(request, processes, gpu_ids, cpu, manager) if names else {"processes": 1}
     table = rows(scored["tuned"], scored.get("base")) if names else []
     options = json.loads(request.to_json())
@@ -121,7 +125,7 @@ def _eval_endpoint(target, url, model_name, completions, tasks, include_path, li
     import_lm_eval()
     check_include_path(include_path)
     model = endpoint(url, "model", completions, None)  # the URL checked before the server is asked anything
-    manager, task_dict = build_tasks(names, include_path)
+    manager, task_dict = build_tasks(names, include_path, images=True)
     check_task_types(task_dict, completions)
     name = model_name or served_model_name(url)
     model = endpoint(url, name, completions, None)

@@ -84,6 +84,7 @@ class DatasetStats:
     masking_problems: str = ""
     invalid: int = 0  # rows that do not fit the format (skipped: skip_invalid_rows)
     invalid_by_reason: dict[str, int] = field(default_factory=dict)
+    format: str = ""  # the rows' format (alpaca, messages, text, ...): eval renders a run's prompts as it trained them
 
     def line(self) -> str:
         skipped = f", {self.invalid} invalid skipped" if self.invalid else ""

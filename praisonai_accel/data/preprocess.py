@@ -166,7 +166,7 @@ def tokenize_dataset(specs: list[DatasetSpec], tokenizer, config: TrainConfig, m
             kept = _number_rows(kept, method.row_number_column, raw, index)
         sample = [_row_of(raw, p) for p in (kept[_POSITION][:MASKING_SAMPLE] if kept is not None else [])]
         stats.datasets.append(DatasetStats(
-            name=spec.name, rows=len(raw), examples=len(kept_rows),
+            name=spec.name, format=fmt, rows=len(raw), examples=len(kept_rows),
             truncated=sum(kept["truncated"]) if kept_rows else 0,
             response_cut=sum(kept["response_cut"]) if kept_rows else 0, dropped=len(too_long),
             tokens=sum(kept["length"]) if kept_rows else 0,

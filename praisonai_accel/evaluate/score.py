@@ -39,7 +39,10 @@ def load_model(target: EvalTarget, device=None):
     model, tokenizer = load_for_inference(Path(target.model) if Path(target.model).exists() else target.model,
                                           device=str(device) if device is not None else None,
                                           trust_remote_code=target.trust_remote_code)
-    return model, getattr(tokenizer, "tokenizer", tokenizer)
+    text = getattr(tokenizer, "tokenizer", tokenizer)
+    if text is not tokenizer and not text.chat_template and getattr(tokenizer, "chat_template", None):
+        text.chat_template = tokenizer.chat_template  # a processor may hold the template its tokenizer lacks
+    return model, text
 
 
 def _simple_evaluate(lm, request: EvalRequest, manager):
@@ -92,4 +95,13 @@ def score(request: EvalRequest, accelerator=None, manager=None, device=None) -> 
                 out["base"] = _simple_evaluate(lm, request, manager)
     if lm.rank != 0:
         return None
-    return {"processes": lm.world_size, **{name: _portable(result, request.log_samples) for name, result in out.items()}}
+    return {"processes": lm.world_size, **{name: {**_portable(result, request.log_samples), **_template(lm, request)}
+                                           for name, result in out.items()}}
+
+
+def _template(lm, request: EvalRequest) -> dict:
+    """The chat template lm-eval rendered prompts with (None without), as lm-eval's own results file records it."""
+    from lm_eval.utils import hash_string
+
+    template = lm.chat_template(True) if request.apply_chat_template else None
+    return {"chat_template": template, "chat_template_sha": hash_string(template) if template else None}

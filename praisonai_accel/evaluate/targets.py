@@ -1,5 +1,6 @@
 """What TARGET names: a run's output_dir (its final model or adapter), a checkpoint directory, a model directory or a
-Hub id; resolved, and its base checked to be at hand, before any model loads."""
+Hub id; resolved, and its base checked to be at hand, before any model loads. Whether its prompts are rendered with
+the chat template: as the run trained, by default."""
 
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def config_hash(model: str) -> str | None:
     return None
 
 
-def _summary(output_dir: Path) -> dict:
+def _summary(output_dir: Path, name: str = "train_summary.json") -> dict:
     try:
-        return json.loads((output_dir / "train_summary.json").read_text())
+        data = json.loads((Path(output_dir) / name).read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
@@ -108,3 +110,79 @@ def _check_loadable(model: str, what: str, trust_remote_code: bool, revision: st
         AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{what} {model} cannot be loaded: {first_line(exc)}") from None
+
+
+# rows that are conversations by construction, rendered with the chat template to train; `text` rows are not, and
+# the other formats (a GRPO prompt, a preference pair) may hold either, row by row
+CHAT_FORMATS = ("alpaca", "sharegpt", "messages", "sharegpt_paired")
+_TEMPLATE_FILES = (("chat_template.jinja", None), ("chat_template.json", "chat_template"),
+                   ("tokenizer_config.json", "chat_template"), ("processor_config.json", "chat_template"))
+
+
+def trained_formats(output_dir: str | Path) -> dict | None:
+    """{dataset: format} as the run recorded it (train_summary.json, or progress.json while it runs); None when it
+    recorded none."""
+    for name in ("train_summary.json", "progress.json"):
+        formats = _summary(Path(output_dir), name).get("data_formats")
+        if isinstance(formats, dict) and formats:
+            return formats
+    return None
+
+
+def _run_default(target: EvalTarget) -> tuple[bool, str]:
+    """(apply the chat template, why) for a target from a run: as the run rendered its training rows."""
+    from ..models.inference import inputs_of
+
+    formats = trained_formats(target.output_dir)
+    chat = sorted({str(f) for f in (formats or {}).values()} & set(CHAT_FORMATS))
+    if chat:
+        return True, f"the run trained on {', '.join(chat)} rows through it"
+    try:
+        images = inputs_of(Path(target.model), target.trust_remote_code).vision
+    except (OSError, ValueError, KeyError):
+        images = False
+    if images:
+        return True, "a vision run trains on conversations through it"
+    if formats and set(map(str, formats.values())) == {"text"}:
+        return False, "the run trained on text rows"
+    if formats:
+        return False, f"the run's {', '.join(sorted(set(map(str, formats.values()))))} rows may be text or messages"
+    return False, "the run does not record the format of its rows"
+
+
+def has_chat_template(target: EvalTarget) -> bool | None:
+    """Whether the tokenizer (or processor) scored with has a chat template; None when its files are not here."""
+    from ..data.vision_processor import checkpoint_file
+
+    sources = [target.model] + ([target.base] if target.adapter and target.base else [])
+    unknown = False
+    for source in sources:
+        for filename, key in _TEMPLATE_FILES:
+            path = checkpoint_file(source, filename)
+            if path is None:
+                unknown = True
+            elif path:
+                try:
+                    if key is None or json.loads(path.read_text()).get(key):
+                        return True
+                except (OSError, ValueError, AttributeError):
+                    unknown = True
+    return None if unknown else False
+
+
+def chat_template_choice(target: EvalTarget, requested: bool | None) -> tuple[bool, str | None]:
+    """(whether lm-eval renders prompts with the chat template, the line that says so). `requested`: the
+    --apply-chat-template / --no-apply-chat-template flag, None for the default: as the run trained; a model that
+    is no run keeps lm-eval's default (no template)."""
+    if requested is None and target.output_dir is None:
+        return False, None
+    if requested is None:
+        apply, why = _run_default(target)
+        flag = "--no-apply-chat-template to score without" if apply else "--apply-chat-template to apply it"
+        why = f"{why}; {flag}"
+    else:
+        apply, why = requested, "--apply-chat-template" if requested else "--no-apply-chat-template"
+    if apply and has_chat_template(target) is False:
+        raise ConfigError(f"{'--apply-chat-template' if requested else 'chat template'}: {target.name} has none (its "
+                          "tokenizer defines no chat template); score it with --no-apply-chat-template")
+    return apply, f"chat template: {'applied' if apply else 'not applied'} ({why})"

@@ -66,10 +66,14 @@ def task_manager(include_path: Path | None, what: str = "--include-path"):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, str] = ("--tasks", "--include-path")):
+def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, str] = ("--tasks", "--include-path"),
+                images: bool = False):
     """(the TaskManager, lm-eval's task dict) or one line naming the task that cannot be built. `keys` name the
-    option or config key of the tasks and of the include path in that line."""
+    option or config key of the tasks and of the include path in that line. `images`: the model that scores them
+    can be given a task's images (lm-eval's API models); our HFLM scores text, a vision-language model's too."""
     import logging
+
+    import datasets
 
     manager = task_manager(include_path, keys[1])
     known = set(manager.all_tasks)
@@ -78,10 +82,21 @@ def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, st
             where = f" or under {include_path}" if include_path else f" (a local YAML task needs {keys[1]} DIR)"
             raise ConfigError(f"{keys[0]}: lm-eval knows no task '{name}'{where}")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a split of a few local rows: its bar would stand above a one-line error
     try:
-        return manager, manager.load(names)
+        task_dict = manager.load(names)
     except Exception as exc:  # the Hub unreachable (offline), a data file missing, a template that does not render
         raise ConfigError(f"{keys[0]} {','.join(names)}: cannot build the task: {_why(exc)}") from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+    with_images = [task.config.task for task in leaf_tasks(task_dict) if getattr(task, "MULTIMODAL", False)]
+    if with_images and not images:  # lm-eval would refuse them only after the model has loaded
+        raise ConfigError(f"{keys[0]}: {', '.join(with_images)}: the task gives the model images (doc_to_image); "
+                          "praisonai-accel scores text tasks only (a vision model's too); lm-eval's own "
+                          "`--model hf-multimodal` scores image tasks")
+    return manager, task_dict
 
 
 def task_metrics(task_dict) -> dict[str, list[str]]:

@@ -74,11 +74,6 @@ def inputs_of(model_dir: Path, trust_remote_code: bool = False) -> ModelInputs:
     return ModelInputs(bool(images), model_type)
 
 
-def takes_images(model_dir: Path, trust_remote_code: bool = False) -> tuple[bool, str]:
-    inputs = inputs_of(model_dir, trust_remote_code)
-    return inputs.vision, inputs.model_type
-
-
 def _vision_processor(model_dir: Path, adapter: bool, revision: str | None, trust_remote_code: bool):
     """The processor of a vision-language model: the directory's own, or an adapter's base model's; None when
     neither has one (a multimodal model trained on text and saved with its tokenizer alone)."""

@@ -29,7 +29,7 @@ def packing_for(config: TrainConfig, backend, warn: bool = True) -> bool:
 
 
 def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared: bool, method_data):
-    """(train set, eval set or None, {"seconds", "cached"}). One rank tokenizes (rank 0, or each node's first where
+    """(train set, eval set or None, {"seconds", "cached", "formats": each dataset's}). One rank tokenizes (rank 0, or each node's first where
     the cache is not on shared storage) while the others wait through the file system: a collective would time
     out after ddp_timeout on a large dataset. `praisonai-accel train` tokenizes in the launcher while the workers
     start, and every rank waits for it."""
@@ -52,7 +52,8 @@ def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared
         raise
     if launcher_found_it_cached is not None:  # this run tokenized, in the launcher, unless it was cached already
         from_cache = launcher_found_it_cached
-    preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache}
+    preprocess = {"seconds": time.perf_counter() - started, "cached": from_cache,
+                  "formats": {d.name: d.format for d in stats.datasets if d.format}}
     report_stats(stats, from_cache)
     if config.val_split_ratio > 0:
         train, evaluation = train.split(config.val_split_ratio, config.seed)

@@ -332,7 +332,8 @@ class Recipe:
             outputs.write_progress(self.output_dir, status, self.state.global_step, self.total_steps,
                                    self.accelerator.num_processes, self.config.final_model_path(),
                                    self.config.method, self.config._config_dir, headline=self.headline,
-                                   config_file=self.config._config_file, **ended)
+                                   config_file=self.config._config_file,
+                                   data_formats=self.preprocess.get("formats") or None, **ended)
 
     def _finish(self, started: float, stopped_early: bool) -> dict:
         from accelerate.utils import gather_object
@@ -349,16 +350,13 @@ class Recipe:
             "total_steps": self.total_steps,
             "num_processes": accelerator.num_processes,
             "final_model_dir": str(final_dir),
-            "first_loss": state.first_loss,
-            "final_loss": state.last_loss,
-            "best_metric": state.best_metric,
-            "best_checkpoint": state.best_checkpoint,
+            "first_loss": state.first_loss, "final_loss": state.last_loss,
+            "best_metric": state.best_metric, "best_checkpoint": state.best_checkpoint,
             "stopped_early": stopped_early,
             "peak_gpu_memory_mib": outputs.peak_gpu_memory_mib(),
             "preprocess_seconds": self.preprocess["seconds"],
-            "preprocess_cached": self.preprocess["cached"],
-            "revision": config.revision,
-            "model_commit": self.model_commit,
+            "preprocess_cached": self.preprocess["cached"], "data_formats": self.preprocess.get("formats") or None,
+            "revision": config.revision, "model_commit": self.model_commit,
             **task_summary(config, self.metrics),
         }
         outputs.save_final_model(accelerator, self.model, self.tokenizer, config, model_card(config, summary, self.inputs, latest_eval(self.output_dir)))

@@ -226,6 +226,48 @@ def test_under_fsdp_a_rank_whose_rollouts_ended_keeps_up_with_the_others_turns_a
     assert len(forwards) == 1 + 2 + 5  # the prompt, its own next two tokens, then one a token until the other is done
 
 
+def test_the_kv_cache_carried_across_turns_samples_what_prefilling_each_turn_again_samples(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_reference import model_forward
+    from praisonai_accel.methods.tool_rollout import PolicySampler
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    pad, stop = 0, 5
+
+    widths = []
+
+    def forward(ids, mask, positions, past):
+        widths.append(ids.shape[1])
+        return model_forward(model)(ids, mask, positions, past)
+
+    def sampler():
+        return PolicySampler(forward, temperature=1.0, top_p=1.0, stop_ids=[stop], pad_id=pad,
+                             device=torch.device("cpu"))
+
+    def generators(seed):
+        return [torch.Generator().manual_seed(seed + i) for i in range(3)]
+
+    carried = sampler()
+    prompts = [[7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    first = carried(prompts, [6, 6, 6], generators(0))
+    assert carried.carried is not None
+    # rows leave between turns (the second ended), the others go on with their turn and a tool result after it
+    inputs = [prompts[i] + first[i][0] + suffix for i, suffix in ((0, [20, 21, 22]), (2, [23]))]
+    widths.clear()
+    again = carried(inputs, [8, 8], generators(100)[:2])
+    prefilled = widths[0]
+    fresh = sampler()(inputs, [8, 8], generators(100)[:2])
+    assert again == fresh
+    # only what is new was prefilled: the last sampled token and the tool result, not the conversation again
+    assert prefilled <= 1 + 3 < min(len(ids) for ids in inputs)
+    # what the cache holds is what each row's ids were, up to the last token it was fed
+    held = carried.carried.rows()
+    assert all(inputs[i] + again[i][0][:len(held[i]) - len(inputs[i])] == held[i] for i in range(2))
+    # an input that extends no cached row starts over (FSDP2's throwaway turn, a new batch)
+    assert carried([[30, 31]], [2], generators(5)[:1]) == sampler()([[30, 31]], [2], generators(5)[:1])
+
+
 def test_a_tool_that_raises_hangs_prints_or_answers_at_length_reads_as_its_result_and_is_counted(capsys, caplog):
     functions = {f.__name__: f for f in (add, broken, slow, chatty)}
     call = lambda name, **arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}

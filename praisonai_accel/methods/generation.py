@@ -15,6 +15,7 @@ rank to rank) keeps running forwards until all have (TRL's synced_gpus).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -72,6 +73,27 @@ def completion_mask(completions: torch.Tensor, stop_ids: torch.Tensor) -> tuple[
     return torch.arange(width, device=completions.device)[None, :] <= first[:, None], ended
 
 
+@dataclass
+class Continuation:
+    """What a turn leaves in the KV cache, for the next turn to continue from instead of prefilling it all again:
+    the cache, its attention mask (0 where a row had ended: those tokens were padding), each row's last position,
+    and the ids it holds."""
+
+    past: object
+    mask: torch.Tensor  # [N, L]
+    last: torch.Tensor  # [N, 1]
+    ids: torch.Tensor  # [N, L]
+
+    def rows(self) -> list[list[int]]:
+        """The ids each row's cache holds (its real tokens)."""
+        return [row[keep].tolist() for row, keep in zip(self.ids, self.mask.bool())]
+
+    def select(self, indices: list[int]) -> "Continuation":
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.mask.device)
+        self.past.batch_select_indices(index)
+        return Continuation(self.past, self.mask[index], self.last[index], self.ids[index])
+
+
 @torch.no_grad()
 def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                        max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int], pad_id: int,
@@ -79,17 +101,32 @@ def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask:
     """Sample a completion for every (left-padded) prompt row. `forward(input_ids, attention_mask, position_ids,
     past) -> (logits of the last position [N, V], past)`. Returns (completion ids [N, C] padded with pad_id after
     the stop, mask [N, C], ended [N])."""
-    stops = torch.as_tensor(stop_ids, dtype=torch.long, device=prompt_ids.device)
-    mask = prompt_mask.long()
-    positions = positions_of(mask)
-    logits, past = forward(prompt_ids, mask, positions, None)
+    return sample_turn(forward, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, generators=generators, all_done=all_done)[:3]
+
+
+@torch.no_grad()
+def sample_turn(forward: Callable, new_ids: torch.Tensor, new_mask: torch.Tensor, *, max_new_tokens: int,
+                temperature: float, top_p: float, stop_ids: list[int], pad_id: int, generators,
+                all_done: Callable[[bool], bool] | None = None, start: Continuation | None = None):
+    """sample_completions, continuing from `start` where given (then `new_ids` are only each row's tokens after what
+    its cache holds, left-padded; every row has at least one). Returns its three results and the Continuation."""
+    stops = torch.as_tensor(stop_ids, dtype=torch.long, device=new_ids.device)
+    new_mask = new_mask.long()
+    if start is None:
+        mask, positions, past, seen = new_mask, positions_of(new_mask), None, new_ids
+    else:
+        mask, past = torch.cat([start.mask, new_mask], dim=1), start.past
+        positions, seen = start.last + new_mask.cumsum(-1), torch.cat([start.ids, new_ids], dim=1)
+    logits, past = forward(new_ids, mask, positions, past)
     last = positions[:, -1:]
-    done = torch.zeros(prompt_ids.size(0), dtype=torch.bool, device=prompt_ids.device)
+    done = torch.zeros(new_ids.size(0), dtype=torch.bool, device=new_ids.device)
     tokens = []
     while True:
         token = sample_next(logits, temperature, top_p, generators)
         token = token.masked_fill(done, pad_id)
         tokens.append(token)
+        real = (~done).long()[:, None]  # a row's stop token is its own; the padding after it is attended by nothing
         done |= torch.isin(token, stops)
         if len(tokens) >= max_new_tokens:
             if all_done is None:
@@ -98,12 +135,13 @@ def sample_completions(forward: Callable, prompt_ids: torch.Tensor, prompt_mask:
         finished = bool(done.all())
         if all_done(finished) if all_done is not None else finished:
             break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        last = last + 1
+        mask = torch.cat([mask, real], dim=1)
+        last = last + real
+        seen = torch.cat([seen, token[:, None]], dim=1)
         logits, past = forward(token[:, None], mask, last, past)
     completions = torch.stack(tokens[:max_new_tokens], dim=1)
     keep, ended = completion_mask(completions, stops)
-    return completions.masked_fill(~keep, pad_id), keep, ended
+    return completions.masked_fill(~keep, pad_id), keep, ended, Continuation(past, mask, last, seen)
 
 
 def cache_argument(model) -> str:

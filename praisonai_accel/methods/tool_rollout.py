@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools, on token ids: sample a turn, parse its tool calls, run them, append the results
-as the chat template renders them, sample the next turn; until a turn calls no tool, max_tool_calling_iterations
-is reached or the completion has max_completion_length tokens (TRL's GRPOTrainer._tool_call_loop).
+as the chat template renders them, sample the next turn (continuing from the KV cache the last turn left); until a
+turn calls no tool, max_tool_calling_iterations is reached or the completion has max_completion_length tokens (TRL's
+GRPOTrainer._tool_call_loop).
 
 The model's tokens are kept exactly as sampled (never decoded and re-encoded) and are the only ones trained; the
 tool results and the template's glue between turns (TRL's `_get_tool_suffix_ids`: the difference between a
@@ -8,8 +9,8 @@ conversation rendered with and without the tool messages) are in the sequence, a
 
 Each rollout (a prompt's j-th completion) samples turn t from its own generator, seeded from (seed, step, row, j,
 t): what it samples depends on nothing else in its batch, so 2 ranks x B rollouts equal 1 rank x 2B, and a resumed
-run samples what the uninterrupted one would have. Each turn prefills the conversation so far again (no KV cache
-kept across turns: at the small models a CPU trains, the prefill is a small part of a turn).
+run samples what the uninterrupted one would have. The KV cache is kept across turns: a turn prefills only the tool
+results and glue after the last one (PolicySampler).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .generation import left_pad, sample_completions
+from .generation import Continuation, left_pad, sample_turn
 from .tools import ToolSet, call_tool, route_tool_output, tool_functions
 
 
@@ -86,7 +87,9 @@ class TemplateTools:
 
 @dataclass
 class PolicySampler:
-    """Generation as the rollouts call it: a batch of unpadded id lists in, one sampled turn per row out."""
+    """Generation as the rollouts call it: a batch of unpadded id lists in, one sampled turn per row out. The KV cache
+    is carried from one turn to the next: a row that extends what the last turn left in the cache (its turn, the tool
+    results and glue after it) prefills only what is new."""
 
     forward: Callable
     temperature: float
@@ -95,20 +98,38 @@ class PolicySampler:
     pad_id: int
     device: torch.device
     all_done: Callable | None = None
+    carried: Continuation | None = None  # what the last call left in the cache
 
     def __call__(self, inputs: list[list[int]], budgets: list[int], generators: list) -> list[tuple[list[int], bool]]:
         """(the turn's ids, up to and including its stop token, whether it stopped) per row; a row gets at most its
         budget of tokens."""
-        ids, mask = left_pad(inputs, self.pad_id, self.device)
-        tokens, keep, ended = sample_completions(
+        start, new = self._continuation(inputs)
+        ids, mask = left_pad(new, self.pad_id, self.device)
+        tokens, keep, ended, self.carried = sample_turn(
             self.forward, ids, mask, max_new_tokens=max(budgets), temperature=self.temperature, top_p=self.top_p,
-            stop_ids=self.stop_ids, pad_id=self.pad_id, generators=generators, all_done=self.all_done)
+            stop_ids=self.stop_ids, pad_id=self.pad_id, generators=generators, all_done=self.all_done, start=start)
         out = []
         for i, budget in enumerate(budgets):
             row = tokens[i][keep[i]].tolist()
             stopped = bool(ended[i]) and len(row) <= budget
             out.append((row[:budget], stopped))
         return out
+
+    def _continuation(self, inputs: list[list[int]]) -> tuple[Continuation | None, list[list[int]]]:
+        """(the carried cache, its rows in the order of `inputs`, and each input's ids after them), or (None, the
+        inputs whole) where an input extends none of the cached rows in turn: rows leave between turns, never
+        arrive, and keep their order."""
+        if self.carried is None:
+            return None, inputs
+        cached, rows, j = self.carried.rows(), [], 0
+        for ids in inputs:
+            while j < len(cached) and not (len(ids) > len(cached[j]) and ids[:len(cached[j])] == cached[j]):
+                j += 1
+            if j == len(cached):
+                return None, inputs
+            rows.append(j)
+            j += 1
+        return self.carried.select(rows), [ids[len(cached[j]):] for ids, j in zip(inputs, rows)]
 
     def keep_up(self) -> None:
         """FSDP2: this rank's rollouts have ended while another rank's go on; its forwards are collectives, so it

@@ -6,6 +6,7 @@ hangs is counted and the run goes on, and a bad tool definition is one line befo
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -97,6 +98,14 @@ def test_2_processes_x_B_give_the_trajectories_and_adapter_of_1_process_x_2B_and
     assert all("not supported" in r or "did not answer within 0.5 seconds" in r for r in failures), failures
     assert "add was called" in (two / "logs" / "rank-0.log").read_text()
     assert read_summary(two)["global_step"] == 3
+    # preview shows the run's rollouts as sampled: the model's turns trained, the tool results and glue not
+    shown = cli("preview", str(tmp_path / "2xB" / "config.yaml"), "-n", "8")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rollouts = shown.stdout.split("logged rollout(s), as sampled")[1].split("=== ")[0]
+    called = [part for part in rollouts.split("- completion")[1:] if "<tool_response>" in part]
+    assert called, rollouts
+    for part in called:
+        assert "[[<tool_call>" in part and "<tool_response>" not in "".join(re.findall(r"\[\[(.*?)\]\]", part, re.S))
 
 
 def test_under_fsdp_the_ranks_roll_out_their_own_turns_and_sample_what_ddp_samples(tmp_path, tool_model):

@@ -38,6 +38,13 @@ def preview_command(
             if title:  # a preference example: its prompt, then each completion after it
                 show(f"- {title} ({len(ids)} tokens):")
             show(marked_text(tokenizer, ids, labels, colour, image_marks(tokenizer, data[index]) if not title else ()))
+    logged = type(cfg).training_method.logged_parts(cfg, examples)
+    if logged:
+        show(f"--- the run's last {len(logged)} logged rollout(s), as sampled ({legend})")
+    for parts in logged:
+        for title, ids, labels in parts:
+            show(f"- {title} ({len(ids)} tokens):")
+            show(marked_text(tokenizer, ids, labels, colour, ()))
     for row in dataset_rows(data, stats):
         typer.echo(f"=== {row['name']}")
         typer.echo(f"examples {row['examples']} of {row['rows']} | tokens {row['tokens']:,} | trained fraction "

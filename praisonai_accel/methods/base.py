@@ -88,6 +88,12 @@ class TrainingMethod:
         return [("", ids, [IGNORE_INDEX] * len(ids))]
 
     @classmethod
+    def logged_parts(cls, config, count: int) -> list[list[tuple[str, list[int], list[int]]]]:
+        """What `preview` shows of the run's own logged examples (the last `count`; GRPO: rollouts as sampled, tool
+        results and glue untrained), each as preview_parts. Default none."""
+        return []
+
+    @classmethod
     def report_rows(cls, records: list[dict]) -> list[tuple[str, str]]:
         """Rows `report` shows for this method from the run's metrics.jsonl records, beyond the headline metrics
         (which `report` shows first -> last for every method). Default none."""

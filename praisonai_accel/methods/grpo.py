@@ -278,6 +278,23 @@ class GRPO(TrainingMethod):
                               f"step {global_step} does not train on with num_iterations: {self.steps_per_batch}; "
                               "resume with the num_iterations it was saved with")
 
+    @classmethod
+    def logged_parts(cls, config, count: int) -> list[list[tuple[str, list[int], list[int]]]]:
+        """The last `count` rollouts of logs/completions.jsonl: the prompt, then the completion as sampled, its
+        trained tokens (the model's own) apart from the tool results and template glue."""
+        from ..data.chat_masking import IGNORE_INDEX
+
+        path = config.output_path() / "logs" / COMPLETIONS_FILE
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return []
+        records = [r for r in records if isinstance(r, dict) and "completion_ids" in r][-count:] if count else []
+        return [[(f"prompt (step {r['step']})", r["prompt_ids"], [IGNORE_INDEX] * len(r["prompt_ids"])),
+                 (f"completion (reward {r['reward']:.4g})", r["completion_ids"],
+                  [t if trained else IGNORE_INDEX for t, trained in zip(r["completion_ids"], r["trained"])])]
+                for r in records]
+
     def _log_completions(self, step: int, batch: dict) -> None:
         """A few prompts with their completions and rewards in output_dir/logs/completions.jsonl (rank 0's first
         micro-batch of the step) and as a table in the trackers that show one; a resumed run first drops what an

@@ -100,13 +100,20 @@ def generate_and_score(method, accelerator, module, batch: dict, key: tuple, tra
     sums = {LENGTH: keep.sum().double(), **tool_sums}  # the reward sums come with the advantages (set_advantages)
     records = [{"prompt": prompts[i], "completion": completion_values[i] if method.tools else texts[i],
                 "rewards": {name: _number(rewards[i, f]) for f, name in enumerate(method.names)},
-                "reward": _number(total[i])} for i in range(len(texts))]
+                "reward": _number(total[i]), **_ids(prompt_ids[i], prompt_mask[i], completions[i], keep[i], loss_mask[i])}
+               for i in range(len(texts))]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": positions_of(attention_mask),
            "labels": labels, "completion_mask": loss_mask, "rewards": rewards, "total_rewards": total, "units": units,
            "prompts": len(rows), "rollout_sums": sums, "log_records": records}
     if batch.get(FILLER):
         out[FILLER] = True
     return out
+
+
+def _ids(prompt, prompt_mask, completion, keep, trained) -> dict:
+    """A rollout's tokens as sampled, and which were trained (`preview` marks them from the log)."""
+    return {"prompt_ids": prompt[prompt_mask.bool()].tolist(), "completion_ids": completion[keep].tolist(),
+            "trained": trained[keep].long().tolist()}
 
 
 def _tool_rollouts(method, accelerator, forward, all_done, batch: dict, key: tuple):

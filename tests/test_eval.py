@@ -166,6 +166,36 @@ def test_base_against_tuned_and_the_regression_gate(setup, one_process):
     assert len(regressions) == 1 and "tiny_gen_base exact_match" in regressions[0], result.stderr
 
 
+def test_base_of_a_full_fine_tune_is_the_model_it_was_trained_from(setup, one_process, tmp_path):
+    """A full fine-tune records the model it started from; --base loads it after the tuned model, with the run's
+    tokenizer, and scores it as the adapter's base scores (the same weights)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from praisonai_accel.run_dir.output_dirs import replace_with
+
+    staged = tmp_path / "staged"
+    AutoPeftModelForCausalLM.from_pretrained(setup["adapter"]).merge_and_unload().save_pretrained(staged)
+    AutoTokenizer.from_pretrained(setup["adapter"]).save_pretrained(staged)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    replace_with(staged, run_dir / "model", "final_model_dir", kind="model", base_model=str(setup["base"]))
+    (run_dir / "train_summary.json").write_text(json.dumps({"global_step": 5, "final_model_dir": str(run_dir / "model")}))
+    out = tmp_path / "full.json"
+    result = _invoke(str(run_dir), "--tasks", "tiny_gen,tiny_mc", "--include-path", str(setup["tasks"]),
+                     "--batch-size", str(BATCH), "--base", "--output", str(out))
+    assert result.exit_code == 0, result.output[-3000:]
+    scored, adapter_run = json.loads(out.read_text()), one_process[1]
+    assert scored["adapter"] is None and scored["base_model"] == str(setup["base"])
+    for task in ("tiny_gen", "tiny_mc"):
+        assert _metrics(scored["base"], task) == _metrics(adapter_run["base"], task), task
+    assert scored["tuned"]["results"]["tiny_gen"]["exact_match,none"] == 0.5  # the merged adapter's answers
+    assert {(r["task"], r["metric"]) for r in scored["comparison"]} >= {("tiny_gen", "exact_match,none")}
+    # a model that is no run records no base
+    bare = _invoke(str(setup["base"]), "--tasks", "tiny_mc", "--include-path", str(setup["tasks"]), "--base")
+    assert bare.exit_code == 2 and "--base: " in bare.stderr and "records no base model" in bare.stderr
+
+
 def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_process, tmp_path):
     """2 CPU ranks over gloo, launched as train launches: each scores half, rank 0 writes once, the same numbers;
     a gate on the task that improved exits 0."""

@@ -46,7 +46,7 @@ def eval_command(
     from ..evaluate.results import default_path, write_results
     from ..evaluate.rewards import TASK, load_functions, read_prompts, reward_entries, reward_rows
     from ..evaluate.score import EvalRequest
-    from ..evaluate.targets import chat_template_choice, resolve_target
+    from ..evaluate.targets import chat_template_choice, check_base, resolve_target
     from ..evaluate.tasks import build_tasks, check_include_path, import_lm_eval, parse_task_names
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
@@ -69,8 +69,8 @@ def eval_command(
         import_lm_eval()
         check_include_path(include_path)
     resolved = resolve_target(target, trust_remote_code)
-    if base and not resolved.adapter:
-        fail(f"--base: {target} is a full model, not an adapter on a base; score the base model as its own TARGET")
+    if base:
+        check_base(resolved)
     if names:
         apply_chat_template, template_line = chat_template_choice(resolved, apply_chat_template)
     if entries:  # every function loaded and every column it reads found before any model loads

@@ -1,10 +1,10 @@
 """One rank's part of `praisonai-accel eval`: load the model once, score it with lm-eval (the adapter enabled, then
-disabled for the base), and on rank 0 write what was scored to a JSON file the command reads."""
+disabled for the base; a full fine-tune's base loaded after it), and on rank 0 write what was scored to a JSON file the command reads."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .targets import EvalTarget
@@ -85,14 +85,20 @@ def score(request: EvalRequest, accelerator=None, manager=None, device=None) -> 
     from .tasks import task_manager
 
     manager = manager or task_manager(Path(request.include_path) if request.include_path else None)
-    model, tokenizer = load_model(request.target, accelerator.device if accelerator is not None else device)
+    device = accelerator.device if accelerator is not None else device
+    model, tokenizer = load_model(request.target, device)
     lm = run_lm(model, tokenizer, request.batch_size, accelerator)
     out = {}
     with torch.inference_mode():
         out["tuned"] = _simple_evaluate(lm, request, manager)
-        if request.base:
+        if request.base and request.target.adapter:
             with model.disable_adapter():
                 out["base"] = _simple_evaluate(lm, request, manager)
+        elif request.base:  # a full fine-tune: its base's weights, read with the run's tokenizer and template
+            del lm, model
+            base = replace(request.target, name=request.target.base, model=request.target.base)
+            lm = run_lm(load_model(base, device)[0], tokenizer, request.batch_size, accelerator)
+            out["base"] = _simple_evaluate(lm, request, manager)
     if lm.rank != 0:
         return None
     return {"processes": lm.world_size, **{name: {**_portable(result, request.log_samples), **_template(lm, request)}

@@ -28,7 +28,7 @@ class EvalTarget:
 
     def description(self) -> dict:
         return {"target": self.name, "model": self.base if self.adapter else self.model,
-                "adapter": self.model if self.adapter else None, "checkpoint_step": self.step,
+                "adapter": self.model if self.adapter else None, "base_model": self.base, "checkpoint_step": self.step,
                 "config_sha256": config_hash(self.model)}
 
 
@@ -85,7 +85,7 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
         raise ConfigError(f"TARGET {target}: was trained with trust_remote_code: true; pass --trust-remote-code to run "
                           "the model's own code")
     adapter = (model_dir / "adapter_config.json").is_file()
-    base = base_model_of(model_dir) if adapter else None
+    base = base_model_of(model_dir) if adapter else facts.get("base_model")  # a full fine-tune's: what it started from
     if adapter:
         if (base.startswith((".", "/", "~")) or not _HUB_ID.match(base)) and not Path(base).is_dir():
             raise ConfigError(f"TARGET {target}: its adapter's base model {base} is not at hand (no such directory)")
@@ -94,6 +94,19 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
         _check_loadable(str(model_dir), f"TARGET {target}", trust_remote_code)
     return EvalTarget(target, str(model_dir), adapter, base, str(output_dir) if output_dir else None, step,
                       trust_remote_code)
+
+
+def check_base(target: EvalTarget) -> None:
+    """--base: the model the target was trained from is recorded and at hand (an adapter's is checked already)."""
+    if target.adapter:
+        return
+    if not target.base:
+        raise ConfigError(f"--base: {target.name} records no base model (a model that is no run of ours, or a full "
+                          "fine-tune saved before it was recorded); score the base model as its own TARGET")
+    if not _HUB_ID.match(target.base) and not Path(target.base).is_dir():
+        raise ConfigError(f"--base: {target.name} was trained from {target.base}, which is not at hand (no such "
+                          "directory)")
+    _check_loadable(target.base, f"--base: {target.name}'s base model", target.trust_remote_code)
 
 
 def _marker(model_dir: Path) -> dict:

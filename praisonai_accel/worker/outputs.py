@@ -39,7 +39,8 @@ def save_final_model(accelerator, model, tokenizer, config: TrainConfig, card: s
             (tmp / "README.md").write_text(card)
         try:
             replace_with(tmp, target, "final_model_dir", kind="adapter" if config.uses_lora else "model",
-                         trust_remote_code=config.trust_remote_code, revision=config.revision)
+                         trust_remote_code=config.trust_remote_code, revision=config.revision,
+                         base_model=config.model_name)  # eval --base of a full fine-tune scores it
         except NotOurs as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ConfigError(f"{exc} (the checkpoints in {config.output_dir} are intact)") from None

@@ -12,10 +12,12 @@ from typing import Any
 
 from ..atomic import write_text_atomic
 from ..config import DatasetSpec, TrainConfig
+from ..runtime.handoff import HandoffFailed, wait_for
 from .formats import DataError
 from .sources import _local_path
 from .templates import resolve_chat_template
 from .tokenized import TokenizedDataset
+from .vision_processor import processor_of
 
 PREPROCESS_VERSION = "5"  # bump when tokenisation or the row checks change, to invalidate caches
 DROP_WARNING_FRACTION = 0.05
@@ -59,8 +61,6 @@ def image_identity(tokenizer) -> dict:
     the processor's own (Idefics3's image_seq_len, Gemma 3's image_seq_length, LLaVA's patch_size); the tokenizer
     and chat template are keyed already. Nothing for text. The image files are not keyed: each reference keeps the
     size preprocessing read, and the collator refuses an image that is no longer that size."""
-    from .vision_processor import processor_of
-
     processor = processor_of(tokenizer)
     if processor is None:
         return {}
@@ -214,9 +214,6 @@ def cache_entries(config: TrainConfig, tokenizer) -> list[Path]:
 def wait_for_cache(config: TrainConfig, tokenizer, failed: Path, poll_seconds: float = 0.2) -> None:
     """Wait (handoff.wait_for: the file system, no time limit) until the rank building the cache has finished it;
     if the builder fails it writes `failed`, and this rank stops too; if it dies, the launcher stops this rank."""
-    from ..runtime.handoff import HandoffFailed, wait_for
-    from .tokenized import TokenizedDataset
-
     entries = cache_entries(config, tokenizer)
 
     def ready():

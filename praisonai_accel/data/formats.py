@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..config import DatasetSpec
+from .chat_masking import content_text
 
 ROLE_NAMES = {
     "human": "user", "user": "user",
@@ -157,7 +158,6 @@ def _message_problem(message, number: int) -> RowProblem | None:
         return RowProblem("wrongly typed field", f"turn {number} ({role})'s content is {_kind_of(content)}, not text")
     if isinstance(content, list) and not all(isinstance(b, dict) for b in content):
         return RowProblem("wrongly typed field", f"turn {number} ({role})'s content is a list of something other than blocks")
-    from .chat_masking import content_text
 
     if not content_text(content).strip() and not calls and not (isinstance(content, list) and content):
         if role in ("system", "developer"):
@@ -229,8 +229,6 @@ def _sharegpt_turn(turn: dict) -> dict:
 
 
 def _is_empty_system(message: dict) -> bool:
-    from .chat_masking import content_text
-
     return message["role"] in ("system", "developer") and not content_text(message.get("content")).strip()
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from .vision_processor import processor_of
+
 
 def save_processing(tokenizer, directory: Path, processor=None) -> None:
     """tokenizer.save_pretrained(directory), or the processor's save_pretrained for a vision-language model: the
     `processor` given, else the one the tokenizer carries (data/vision_processor.tokenizer_of). The tokenizer as
     training used it (its chat template, its pad token) is the one saved with the processor."""
-    from .vision_processor import processor_of
-
     if getattr(tokenizer, "image_processor", None) is not None:  # already a processor (merge loads one)
         tokenizer.save_pretrained(directory)
         return

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 from ..config import LOCAL_DATA_LOADERS, DatasetSpec
 from ..errors import first_line
 from .formats import DataError, RowProblem
+from .images import keep_encoded
 
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of bytes that are not UTF-8
 READ_HERE = {".json", ".jsonl", ".csv", ".txt"}
@@ -111,7 +112,6 @@ def load_raw(spec: DatasetSpec):
         raise DataError(f"dataset {spec.name}: could not be loaded: {type(exc).__name__}: {first_line(exc, '')}") from None
     if spec.num_samples is not None:
         data = data.select(range(min(spec.num_samples, len(data))))
-    from .images import keep_encoded
 
     return keep_encoded(data)  # Image features as the files' bytes: decoded for training only, in the collator
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..config import TrainConfig
 from .chat_masking import MaskingPlan, content_text, render
 from .formats import DataError, RowProblem, visible_content
+from .vision_processor import load_processor, model_inputs, tokenizer_of
 
 # Used only when the tokenizer ships no chat template (base models); saved with the tokenizer.
 FALLBACK_CHAT_TEMPLATE = (
@@ -28,8 +29,6 @@ def load_tokenizer(config: TrainConfig, inputs=None):
     `preprocess`, `preview` and the launcher's preprocessing all tokenize with. `inputs`: what the model takes
     (vision_processor.ModelInputs) where the caller has decided it; decided here otherwise."""
     from transformers import AutoTokenizer
-
-    from .vision_processor import load_processor, model_inputs, tokenizer_of
 
     if (inputs or model_inputs(config)).vision:  # its processor's tokenizer, carrying the processor and its template
         tokenizer = tokenizer_of(load_processor(config))

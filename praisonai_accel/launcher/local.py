@@ -10,13 +10,12 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
+from ..runtime.distributed import die_with_parent
 from ..runtime.handoff import MEMORY_NOTE_ENV, TTY_ENV, VERBOSE_ENV
 from .plan import LaunchPlan, write_plan_files
 
 
 def _kill_with_parent() -> None:
-    from ..runtime.distributed import die_with_parent
-
     die_with_parent()
 
 

@@ -17,7 +17,12 @@ from typing import Callable
 
 from ..checks import Situation, check_run, deepspeed_rule, resume_rule
 from ..config import ConfigError
+from ..data import DataError, resolve_chat_template
 from ..data.vision_processor import ModelInputs
+from ..evaluate.tasks import build_tasks, metric_key, task_metrics
+from ..publish import hub
+from ..publish.gguf import GGUFError, check_before_training
+from .accelerate_config import read_accelerate_config
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")  # the keys of config.LOCAL_DATA_LOADERS
 
@@ -47,7 +52,6 @@ def check_chat_template(config) -> None:
     """A chat_template that is neither Jinja text nor a readable template file."""
     if not config.chat_template:
         return
-    from ..data import DataError, resolve_chat_template
 
     try:
         resolve_chat_template(config.chat_template)
@@ -67,15 +71,11 @@ def check_trackers(config) -> None:
 def check_hub_access(config) -> None:
     """push_to_hub without a token, or into a public repo with hub_private."""
     if config.push_to_hub:
-        from ..publish.hub import check_hub_access as check
-
-        check(config)
+        hub.check_hub_access(config)
 
 
 def check_accelerate_config(path: Path) -> None:
     """A user's --accelerate-config: it exists, reads, and is not DeepSpeed."""
-    from .accelerate_config import read_accelerate_config
-
     if not path.is_file():
         raise ConfigError(f"--accelerate-config: no such file '{path}'")
     try:
@@ -104,7 +104,6 @@ def check_gguf(config, inputs: ModelInputs) -> None:
     training."""
     if not (config.save_gguf or config.huggingface_save_gguf or config.ollama_save or config.ollama_model):
         return
-    from ..publish.gguf import GGUFError, check_before_training
 
     try:
         check_before_training(config, inputs)
@@ -117,7 +116,6 @@ def check_eval_tasks(config) -> None:
     checked against the task's metrics."""
     if not config.eval_tasks:
         return
-    from ..evaluate.tasks import build_tasks, metric_key, task_metrics
 
     include = Path(config.eval_include_path) if config.eval_include_path else None
     _, task_dict = build_tasks(config.eval_tasks, include, ("eval_tasks", "eval_include_path"))

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..errors import first_line
 
 RAY_MISSING = "--ray needs Ray Train: pip install 'praisonai-accel[ray]'"
 
@@ -72,8 +73,6 @@ def run_with_ray(config_path: Path, config: TrainConfig, num_workers: int, addre
         trainer.fit()
         return 0
     except Exception as exc:  # TrainingFailedError: the workers already said why, each in its log
-        from ..errors import first_line
-
         print(f"error: Ray Train stopped: {first_line(exc, type(exc).__name__)}", flush=True)
         return 1
     finally:

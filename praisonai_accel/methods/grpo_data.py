@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 
+from ..data import DataError, RowProblem
 from ..data.method_data import MethodData
 from .method_keys import prompt_limit
 from .preference_data import clean_messages, text_or_messages
+from .rewards import check_columns, load_reward_functions
+from .tools import load_tools
 
 COLUMNS = ("prompt_input_ids", "row", "row_number")
 
@@ -75,28 +78,21 @@ class GRPOData(MethodData):
 
     def _schemas(self, row: dict) -> list[dict] | None:
         if self._tools is False:
-            from .tools import load_tools
-
             self._tools = load_tools(self.config)
         if self._tools is None:
             return None
         return self._tools.schemas[row.get("environment") if self._tools.multi_environment else None]
 
     def detect_format(self, columns, spec) -> str:
-        from ..data import DataError
-
         if "prompt" not in set(columns):
             raise DataError(f"dataset {getattr(spec, 'name', 'dataset')}: columns {sorted(columns)} have no 'prompt'; "
                             "method grpo needs a prompt column (text or a list of messages) and any columns your "
                             "reward functions read")
-        from .rewards import check_columns, load_reward_functions
 
         check_columns(load_reward_functions(self.config), columns, f"dataset {getattr(spec, 'name', 'dataset')}")
         return "prompt"
 
     def check_row(self, row: dict, fmt: str, spec):
-        from ..data import RowProblem
-
         why = check_prompt(row)
         if why:
             return RowProblem("invalid prompt", why)
@@ -110,8 +106,6 @@ class GRPOData(MethodData):
         return None
 
     def encode(self, row: dict, fmt: str, tokenizer, config, spec):
-        from ..data import RowProblem
-
         try:
             ids, cut = encode_prompt(row, tokenizer, prompt_limit(config), getattr(spec, "system_prompt", None),
                                      self._schemas(row))

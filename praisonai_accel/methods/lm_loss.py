@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ConfigError
 from ..data.chat_masking import IGNORE_INDEX
 from ..models.unwrap import transformers_model
 
@@ -364,8 +365,6 @@ def verify_head(module: CausalLMLoss, token_ids: list[int], device) -> bool:
 
 def load_liger(requested, use_cuda: bool):
     """liger-kernel's fused linear cross-entropy, when asked for (true) or available with a GPU (auto)."""
-    from ..config import ConfigError
-
     if requested is False:
         return None
     if not use_cuda:

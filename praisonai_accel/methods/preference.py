@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import functools
 
+from ..data import TOO_LONG, RowProblem
+from ..data.chat_masking import IGNORE_INDEX, plan_masking
 from ..data.method_data import MethodData
 from . import preference_data as pdata
 from .base import TrainingMethod
 from .method_keys import KTO_METRICS, LOSS_TYPES, PAIR_METRICS, DPOKeys, KTOKeys, ORPOKeys, prompt_limit
+from .sft import settle_chunking
 
 FILLER = "filler"
 
@@ -61,8 +64,6 @@ class PreferenceMethod(TrainingMethod):
     def preview_parts(cls, row: dict) -> list[tuple[str, list[int], list[int]]]:
         """A pair's prompt, then chosen and rejected after it; a KTO example's prompt, then its completion, titled
         by its label."""
-        from ..data.chat_masking import IGNORE_INDEX
-
         if "chosen_input_ids" in row:
             sides = [("chosen", "chosen"), ("rejected", "rejected")]
         else:
@@ -88,8 +89,6 @@ class PreferenceMethod(TrainingMethod):
 
     def _plan(self, tokenizer):
         if id(tokenizer) not in self._plans:
-            from ..data.chat_masking import plan_masking
-
             self._plans[id(tokenizer)] = plan_masking(tokenizer)
         return self._plans[id(tokenizer)]
 
@@ -131,7 +130,6 @@ class PreferenceMethod(TrainingMethod):
     # ---------------------------------------------------------------- loss
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
         from .preference_module import PreferenceLoss
-        from .sft import settle_chunking
 
         return settle_chunking(PreferenceLoss(causal_lm, self.config, self.config.chunked_loss), accelerator, tokenizer)
 
@@ -181,14 +179,10 @@ class PreferenceData(MethodData):
         return self.method.detect_format(columns, spec)
 
     def check_row(self, row: dict, fmt: str, spec):
-        from ..data import RowProblem
-
         why = self.method.check_row(row, fmt)
         return RowProblem(_kind(why), why) if why else None
 
     def encode(self, row: dict, fmt: str, tokenizer, config, spec):
-        from ..data import TOO_LONG, RowProblem
-
         try:
             out = self.method.encode(row, fmt, tokenizer, config, getattr(spec, "system_prompt", None))
         except Exception as exc:  # a chat template that cannot render this conversation

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_path
+from ..data.chat_masking import IGNORE_INDEX
+from .preference_data import _pad
+
 REFERENCE_DIR = "reference_logps"
 log = logging.getLogger("praisonai_accel")
 
@@ -28,9 +32,6 @@ def _columns(paired: bool) -> tuple[str, ...]:
 def compute_reference_logps(method, loss_module, examples, batch_size: int, pad_token_id: int,
                             device="cpu") -> dict[str, torch.Tensor]:
     """One float per example and column, in the examples' order."""
-    from .preference_data import _pad
-    from ..data.chat_masking import IGNORE_INDEX
-
     out: dict[str, list[torch.Tensor]] = {name: [] for name in _columns(method.paired)}
     for start in range(0, len(examples), batch_size):
         chunk = [examples[i] for i in range(start, min(start + batch_size, len(examples)))]
@@ -162,8 +163,6 @@ def _read_if_current(path: Path, fingerprint: str) -> dict[str, torch.Tensor] | 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
     from safetensors.torch import save_file
-
-    from ..atomic import atomic_path
 
     with atomic_path(path, suffix=".safetensors") as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": fingerprint})

@@ -17,6 +17,8 @@ import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from ..config import TrainConfig
+from .base import TrainingMethod
 from .user_code import import_user_module
 
 ENTRY_POINT_GROUP = "praisonai_accel.methods"
@@ -31,9 +33,6 @@ def register_method(name: str, cls: type) -> type:
     """Make `method: <name>` train with `cls`, a subclass of methods.base.TrainingMethod whose `keys` is a pydantic
     model of its own config keys. Returns `cls`. ValueError (one line) for a class that cannot be one, a name taken
     by another class, or keys that would replace one of TrainConfig's own."""
-    from ..config import TrainConfig
-    from .base import TrainingMethod
-
     _load_builtins()
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"method: {name!r} is not a method name (letters, digits, _ . -, or \"package.module:Class\")")

@@ -23,6 +23,7 @@ import json
 import math
 from pathlib import Path
 
+from ..errors import ConfigError
 from . import preference_data as pdata
 from .method_keys import REWARD_METRICS as METRICS
 from .method_keys import RewardKeys
@@ -72,8 +73,6 @@ class RewardMethod(PreferenceMethod):
     @classmethod
     def check_config(cls, config) -> None:
         """A classifier whose head has several labels cannot become a reward model (it has one)."""
-        from ..errors import ConfigError
-
         problem = base_head_problem(config.model_name)
         if problem:
             raise ConfigError(problem)

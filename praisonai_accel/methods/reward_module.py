@@ -9,7 +9,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..data.chat_masking import plan_masking
+from ..errors import ConfigError
 from ..logs import FILE_ONLY
+from ..models.unwrap import transformers_model
+from ..runtime.distributed import fsdp_requested
 from . import preference_data as pdata
 from .reward import _read_json, reward_model_problem
 
@@ -52,8 +56,6 @@ class RewardLoss(nn.Module):
         self.center_rewards_coefficient = center_rewards_coefficient
 
     def _base(self):
-        from .lm_loss import transformers_model
-
         return transformers_model(self.causal_lm)
 
     @property
@@ -115,8 +117,6 @@ def _load_scorer(path: Path, device, dtype):
 def encode_for_reward(tokenizer, prompt, completion, chat: bool | None = None) -> list[int]:
     """The ids a reward model trained here reads for prompt + completion: the training encoding (preference_data).
     Text is wrapped as a user and an assistant message when `chat` (default: the tokenizer has a chat template)."""
-    from ..data.chat_masking import plan_masking
-
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     if chat and isinstance(completion, str):  # messages are always encoded through the template
@@ -176,8 +176,6 @@ def fsdp_ranks() -> int:
     """The ranks a reward model is sharded across: every rank of the run under FSDP2, else 1 (a plain copy)."""
     import torch.distributed as dist
 
-    from ..runtime.distributed import fsdp_requested
-
     if fsdp_requested() and dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
@@ -188,8 +186,6 @@ def shard_frozen(model: nn.Module) -> nn.Module:
     model's _no_split_modules (its decoder layers) a unit, the rest (embeddings, norm, score head) the root's. Every
     unit, the root too, gives its gathered weights back after each forward: nothing here is trained."""
     from torch.distributed.fsdp import fully_shard
-
-    from ..models.unwrap import transformers_model
 
     layers = set(getattr(transformers_model(model), "_no_split_modules", None) or ())
     for module in list(model.modules())[1:]:
@@ -227,8 +223,6 @@ class ModelReward:
     @classmethod
     def checked(cls, path: str, base_dir: Path | None, where: str) -> "ModelReward":
         """ConfigError (one line) for a path that is not a reward model; a relative path is the config file's."""
-        from ..errors import ConfigError
-
         resolved = Path(path).expanduser()
         if not resolved.is_absolute() and base_dir is not None:
             resolved = Path(base_dir) / resolved

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..data import DataError
 from ..errors import ConfigError, first_line
 from ..logs import FILE_ONLY
 from .method_keys import BUILTIN_REWARDS, REWARD_MODEL_PREFIX, parse_reward_entry
@@ -203,8 +204,6 @@ def _checked(name: str, func: Callable, weight: float, where: str, extra: tuple[
 def check_columns(functions: Sequence[RewardFunction], column_names, dataset: str = "dataset") -> None:
     """DataError (one line) for a reward function that reads a column the dataset does not have (exact_match:
     `answer`); callable before launch from the dataset's column names."""
-    from ..data import DataError
-
     have = set(column_names)
     for function in functions:
         for column in function.columns:

@@ -15,8 +15,10 @@ import torch
 
 from . import grpo_loss, tool_rollout
 from .generation import positions_of, sample_completions
+from .grpo_data import prompt_messages
 from .method_keys import prompt_limit
 from .grpo import FILLER, LENGTH
+from .rewards import score
 
 
 
@@ -46,8 +48,6 @@ def sampling_seed(*parts) -> int:
 
 def generate_and_score(method, accelerator, module, batch: dict, key: tuple, trainer_state=None) -> dict:
     """`key`: what, with a prompt's row number, seeds its group's generator ((seed, step), or evaluation's)."""
-    from .rewards import score
-
     config, tokenizer = method.config, method.run.tokenizer
     g = config.num_generations
     device = accelerator.device
@@ -119,8 +119,6 @@ def _ids(prompt, prompt_mask, completion, keep, trained) -> dict:
 def _tool_rollouts(method, accelerator, forward, all_done, batch: dict, key: tuple):
     """(the micro-batch's trajectories, each rollout's environment): rollout j of a prompt samples turn t from a
     generator seeded with (key, its row, j, t)."""
-    from .grpo_data import prompt_messages
-
     config, g, device = method.config, method.config.num_generations, accelerator.device
     rows = [row for row in batch["rows"] for _ in range(g)]
     numbers = [tuple(n) for n in batch["row_numbers"].tolist() for _ in range(g)]

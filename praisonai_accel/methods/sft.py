@@ -4,7 +4,12 @@ head or the model's head is not a plain linear layer over its decoder output."""
 
 from __future__ import annotations
 
+from ..data import PadCollator, target_count
+from ..data.chat_masking import IGNORE_INDEX
+from ..data.vision_processor import processor_of
 from .base import TrainingMethod, log
+from .sft_rows import SFTData
+from .vision_rows import VisionCollator, VisionSFTData
 
 
 class SFT(TrainingMethod):
@@ -25,36 +30,22 @@ class SFT(TrainingMethod):
     def data(self, tokenizer):
         """Rows -> input_ids and labels (sft_rows.py); rows with images for a vision-language model's tokenizer (it
         carries the processor: vision_rows.py)."""
-        from ..data.vision_processor import processor_of
-
         self.processor = processor_of(tokenizer)
         if self.processor is not None:
-            from .vision_rows import VisionSFTData
-
             return VisionSFTData(tokenizer, self.config)
-        from .sft_rows import SFTData
-
         return SFTData(tokenizer, self.config)
 
     def collator(self, pad_token_id: int):
-        from ..data import PadCollator
-
         if self.processor is not None:
-            from .vision_rows import VisionCollator
-
             return VisionCollator(pad_token_id, self.processor)
         return PadCollator(pad_token_id)
 
     def filler(self, example: dict) -> dict:
         import numpy as np
 
-        from ..data.chat_masking import IGNORE_INDEX
-
         return {**example, "labels": np.full(len(example["labels"]), IGNORE_INDEX, dtype=np.int64)}
 
     def units(self, batch: dict):
-        from ..data import target_count
-
         return target_count(batch)
 
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):

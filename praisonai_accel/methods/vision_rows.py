@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import DatasetSpec, TrainConfig
 from ..errors import first_line
+from ..data.batching import PadCollator
 from ..data.cache import cache_dir
 from ..data.chat_masking import IGNORE_INDEX, encode_conversation
 from ..data.encoding import count_targets
@@ -135,8 +136,6 @@ class VisionCollator:
     them (Gemma 3: 1 on each image token)."""
 
     def __init__(self, pad_token_id: int, processor):
-        from ..data.batching import PadCollator
-
         self.pad, self.processor = PadCollator(pad_token_id), processor
         self.names = set(getattr(processor, "model_input_names", ())) - {"input_ids", "attention_mask"}
 

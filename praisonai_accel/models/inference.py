@@ -7,7 +7,9 @@ import json
 import warnings
 from pathlib import Path
 
-from ..data.vision_processor import ModelInputs, checkpoint_inputs
+from ..data import end_of_turn_token
+from ..data.images import open_image
+from ..data.vision_processor import PROCESSOR_FILES, ModelInputs, checkpoint_inputs
 from ..run_dir.output_dirs import read_marker
 
 
@@ -55,8 +57,6 @@ def is_processor(tokenizer) -> bool:
 
 
 def _holds_processor(directory: Path) -> bool:
-    from ..data.vision_processor import PROCESSOR_FILES
-
     return any((directory / name).is_file() for name in PROCESSOR_FILES)
 
 
@@ -155,8 +155,6 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     """Where generation stops: the model's own generation_config eos ids, the tokenizer's eos, and the template's
     end-of-turn token. Qwen2.5 and Llama 3.x end a turn with <|im_end|> / <|eot_id|>, which for some checkpoints is
     not the tokenizer's eos; stopping on eos alone runs on into invented turns. `tokenizer` may be a processor."""
-    from ..data import end_of_turn_token
-
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
     if is_processor(tokenizer):
@@ -172,8 +170,6 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 def _vision_turn_end(processor) -> str | None:
     """end_of_turn_token for a processor's template, which reads typed content parts (<end_of_utterance>, ...)."""
-    from ..data import end_of_turn_token
-
     return end_of_turn_token(processor.tokenizer, getattr(processor, "chat_template", None), parts=True)
 
 
@@ -234,8 +230,6 @@ def generate_batch(model, tokenizer, conversations: list[list[dict]], max_new_to
 
 def read_image(path: Path):
     """The image file as an RGB PIL image, or a ValueError naming the file and why it cannot be read."""
-    from ..data.images import open_image
-
     image = open_image(Path(path), f"{path}:", decode=True)
     if isinstance(image, str):  # a RowProblem: missing, unreadable, a decompression bomb
         raise ValueError(str(image))

@@ -17,6 +17,8 @@ from ..errors import first_line
 from ..data import ensure_chat_template, load_tokenizer
 from ..data.vision_processor import ModelInputs
 from ..runtime.distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
+from . import vision as vision_model
+from .vision import unquantized_modules
 
 SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (methods/base.py): a reward model
 
@@ -145,8 +147,6 @@ def vision_quantization_skips(config: TrainConfig) -> list[str]:
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from .vision import unquantized_modules
-
     model_config = AutoConfig.from_pretrained(config.model_name, revision=config.revision,
                                               trust_remote_code=config.trust_remote_code)
     with torch.device("meta"):
@@ -169,8 +169,6 @@ def _quantization_config(compute_dtype, skip_modules: list[str] | None = None):
 
 def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision: bool):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
-
-    from . import vision as vision_model
 
     kwargs: dict[str, Any] = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
     if device_map is not None:

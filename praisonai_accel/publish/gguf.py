@@ -27,11 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
+from ..data.chat_masking import end_of_turn_token
 from ..data.vision_processor import ModelInputs
+from ..models.inference import ModelDirError, base_model_of, inputs_of, resolve_model_dir
+from ..models.loading import _quantization_config  # the 4-bit settings training used
+from ..run_dir.output_dirs import MARKER, NotOurs, check_replaceable, read_marker
 from . import gguf_engine
 from .gguf_llamacpp import GGUFError, check_engine, converter_architectures, find_converter, vision_refusal
 from .gguf_convert import convert, set_metadata
-from .gguf_vocab import stage_for_converter
+from .gguf_verify import check_tokenizer, sample_conversations, texts_to_check
+from .gguf_vocab import prefixes_after_special_tokens, stage_for_converter, strips_after_special_tokens
+from .hub import hub_token, redact
+from .ollama import _base_model_dir, publish_gguf
 
 log = logging.getLogger("praisonai_accel")
 
@@ -77,8 +84,6 @@ def _config_of(source: Path, adapter: bool, revision: str | None, trust_remote_c
         return json.loads((source / "config.json").read_text())
     from transformers import AutoConfig
 
-    from ..models.inference import base_model_of
-
     base = base_model_of(source)
     try:
         return AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=trust_remote_code).to_dict()
@@ -90,9 +95,6 @@ def _config_of(source: Path, adapter: bool, revision: str | None, trust_remote_c
 def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_base: bool | None = None,
                 trust_remote_code: bool = False) -> ExportPlan:
     """Resolve the model, check methods, converter, engine, architecture and output folder; load nothing heavy."""
-    from ..models.inference import ModelDirError, resolve_model_dir
-    from ..run_dir.output_dirs import read_marker
-
     methods = quantization_methods(methods)
     try:
         source = resolve_model_dir(Path(source))
@@ -105,8 +107,6 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
                         "own code")
     model_config = _config_of(source, adapter, facts.get("revision"), trust_remote_code)
     if model_config.get("vision_config") is not None:
-        from ..models.inference import inputs_of
-
         inputs = inputs_of(source, trust_remote_code)
         if inputs.vision:
             raise GGUFError(vision_refusal("gguf export", inputs.model_type))
@@ -123,8 +123,6 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
 def check_toolchain(methods: list[str], architecture: str | None, dequantize_base: bool, out_dir: Path) -> Path:
     """The converter (returned), the engine where a method needs it, the architecture, bitsandbytes for a QLoRA
     merge, and an output folder that is ours to write into."""
-    from ..run_dir.output_dirs import NotOurs, check_replaceable
-
     converter = find_converter()
     check_engine()  # it quantizes, and checks every file's tokenizer
     if architecture is not None and architecture not in converter_architectures(converter):
@@ -159,15 +157,10 @@ def merge_in_full_precision(plan: ExportPlan, target: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models.inference import base_model_of
-    from ..run_dir.output_dirs import read_marker
-
     revision = (read_marker(plan.source) or {}).get("revision")
     kwargs = {"dtype": torch.float32, "revision": revision, "trust_remote_code": plan.trust_remote_code}
     base_name = base_model_of(plan.source)
     if plan.dequantize_base:
-        from ..models.loading import _quantization_config  # the 4-bit settings training used
-
         kwargs["quantization_config"] = _quantization_config(torch.float32)
         base = AutoModelForCausalLM.from_pretrained(base_name, **kwargs).dequantize(dtype=torch.float32)
     else:
@@ -184,17 +177,12 @@ def tokenizer_sources(plan: ExportPlan) -> list[Path]:
     """Where an original tokenizer.model may be: the trained folder, then its base model (local or in the Hub cache)."""
     if not plan.adapter:
         return [plan.source]
-    from ..models.inference import base_model_of
-    from .ollama import _base_model_dir
 
     return [plan.source, _base_model_dir(base_model_of(plan.source))]
 
 
 def general_name(plan: ExportPlan, model_dir: Path) -> str:
     """general.name: the base model's name and the trained folder's, e.g. Phi-3-mini-4k-instruct-lora_model."""
-    from .gguf_vocab import strips_after_special_tokens
-    from ..models.inference import base_model_of
-
     name = f"{Path(base_model_of(plan.source)).name}-{plan.stem}" if plan.adapter else plan.stem
     if strips_after_special_tokens(model_dir) and not re.search(r"phi-?3", name, re.IGNORECASE):
         name = f"phi3-{name}"  # llama.cpp strips after the special tokens only for a model named so
@@ -203,8 +191,6 @@ def general_name(plan: ExportPlan, model_dir: Path) -> str:
 
 def end_of_turn_fix(tokenizer) -> int | None:
     """The id of the token the chat template ends a reply with, when it is not the tokenizer's eos."""
-    from ..data.chat_masking import end_of_turn_token
-
     token = end_of_turn_token(tokenizer)
     if token is None or token == tokenizer.eos_token:
         return None
@@ -215,8 +201,6 @@ def tokenizer_metadata(tokenizer, model_dir: Path) -> dict[str, tuple[str, objec
     """What the converter does not write from a transformers 5 folder: the end-of-turn token when it is not eos, and
     for a SentencePiece-kind vocabulary whether a space is prefixed after each special token, as the tokenizer does
     (llama.cpp prefixes the text at the start and after every special token, or nowhere)."""
-    from .gguf_vocab import prefixes_after_special_tokens
-
     values: dict[str, tuple[str, object]] = {}
     eot = end_of_turn_fix(tokenizer)
     if eot is not None:
@@ -245,9 +229,6 @@ def export_gguf(plan: ExportPlan, conversations: list[list[dict]] = ()) -> list[
 
 
 def _export(plan: ExportPlan, conversations: list[list[dict]]) -> list[Path]:
-    from ..run_dir.output_dirs import MARKER
-    from .gguf_verify import check_tokenizer, texts_to_check
-
     work = Path(tempfile.mkdtemp(prefix=".gguf-work-", dir=plan.out_dir))
     written: list[Path] = []
     try:
@@ -316,8 +297,6 @@ def check_before_training(config: TrainConfig, inputs: ModelInputs) -> None:
     architecture = (getattr(model_config, "architectures", None) or [None])[0]
     check_toolchain(config.quantization_method, architecture, config.finetune_type == "qlora", config.output_path() / "gguf")
     if config.huggingface_save_gguf:
-        from .hub import hub_token
-
         if not hub_token():
             raise GGUFError("huggingface_save_gguf: no Hugging Face token; set HF_TOKEN or run `hf auth login` "
                             "(nothing was trained)")
@@ -333,8 +312,6 @@ def after_training(config: TrainConfig, final_dir: Path) -> list[str]:
     try:
         plan = plan_export(final_dir, config.quantization_method, config.output_path() / "gguf",
                            dequantize_base=config.finetune_type == "qlora", trust_remote_code=config.trust_remote_code)
-        from .gguf_verify import sample_conversations
-
         files = export_gguf(plan, sample_conversations(config))
     except (GGUFError, OSError) as exc:
         return [f"gguf: {exc}"]
@@ -344,8 +321,6 @@ def after_training(config: TrainConfig, final_dir: Path) -> list[str]:
     if config.huggingface_save_gguf:
         problems += upload(config, files)
     if config.ollama_save:
-        from .ollama import publish_gguf
-
         try:
             modelfile = publish_gguf(files[0], final_dir, config.ollama_model, push=config.ollama_push,
                                      trust_remote_code=config.trust_remote_code)
@@ -360,8 +335,6 @@ def after_training(config: TrainConfig, final_dir: Path) -> list[str]:
 def upload(config: TrainConfig, files: list[Path]) -> list[str]:
     """The .gguf files into hub_model_id (created private when hub_private), beside whatever else the run pushed."""
     from huggingface_hub import HfApi
-
-    from .hub import hub_token, redact
 
     token = hub_token()
     try:

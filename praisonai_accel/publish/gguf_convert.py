@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .gguf_llamacpp import GGUFError
+from .gguf_vocab import byte_level_pre_tokenizer
 
 
 def _run(args: list[str], what: str) -> None:
@@ -43,8 +44,6 @@ runpy.run_path(script, run_name="__main__")
 
 
 def convert(converter: Path, model_dir: Path, outfile: Path, outtype: str, name: str) -> Path:
-    from .gguf_vocab import byte_level_pre_tokenizer
-
     pre = byte_level_pre_tokenizer(model_dir / "tokenizer.json") or ""
     try:
         _run([sys.executable, "-c", _CONVERT, str(converter), pre, str(model_dir), "--outfile", str(outfile),

@@ -17,6 +17,9 @@ import logging
 import re
 from pathlib import Path
 
+from ..config import load_config
+from ..data.formats import check_row, detect_format, to_conversation
+from ..data.sources import read_rows
 from . import gguf_engine
 from .gguf_llamacpp import GGUFError
 
@@ -34,9 +37,6 @@ SAMPLE_ROWS = 4
 def sample_conversations(config, count: int = SAMPLE_ROWS) -> list[list[dict]]:
     """The first rows of the run's first dataset as conversations; none where it cannot be read here (a Hub dataset
     offline, a preference format): the other texts are still checked."""
-    from ..data.formats import check_row, detect_format, to_conversation
-    from ..data.sources import read_rows
-
     try:
         spec = config.dataset[0]
         rows = read_rows(spec)
@@ -65,8 +65,6 @@ def run_config(path: Path, model_dir: Path):
     """The config of the run that wrote `model_dir`, or None. Its progress.json (in PATH, the output_dir, or beside
     the model: a final model, or a checkpoint's adapter) names the config file the run was started with. None where
     the run predates that record, or the config has since moved, changed or no longer names this model."""
-    from ..config import load_config
-
     places = [path, model_dir.parent]
     if re.fullmatch(r"checkpoint-\d+", model_dir.parent.name):
         places.append(model_dir.parent.parent)

@@ -15,6 +15,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data.chat_masking import template_name
+from ..models.inference import inputs_of
+from .gguf_llamacpp import vision_refusal
+from .merge import merge_adapter
+from .ollama_template import derive
+
 log = logging.getLogger("praisonai_accel")
 
 DEFAULT_HOST = "http://localhost:11434"
@@ -50,9 +56,6 @@ class OllamaRecipe:
 
 def go_template(tokenizer) -> str | None:
     """Ollama's TEMPLATE for this tokenizer's chat template, or None when none reproduces it (said in one line)."""
-    from ..data.chat_masking import template_name
-    from .ollama_template import derive
-
     derived = derive(tokenizer)
     if derived is None:
         log.info("ollama: the chat template (%s) cannot be written as an Ollama TEMPLATE that reproduces it; "
@@ -95,9 +98,6 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
     """How to build the Ollama model from a trained adapter dir (FROM base + ADAPTER) or a merged model dir."""
     from transformers import AutoTokenizer
 
-    from ..models.inference import inputs_of
-    from .gguf_llamacpp import vision_refusal
-
     source = Path(adapter_or_model)
     inputs = inputs_of(source, trust_remote_code)
     if inputs.vision:
@@ -119,8 +119,6 @@ def recipe_for(adapter_or_model: Path, ollama_base: str | None = None, trust_rem
         )
     architecture = _architecture(base_dir)
     if architecture not in ADAPTER_ARCHITECTURES:
-        from .merge import merge_adapter
-
         # replaces only an earlier merge of ours: a folder of the user's at that path is refused, never deleted
         merged = merge_adapter(source, source.with_name(source.name + "-merged"), trust_remote_code=trust_remote_code)
         log.info("ollama: Ollama imports LoRA adapters only for Llama-family and Gemma 2 bases, not %s; merged the "

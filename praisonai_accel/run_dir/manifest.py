@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..runtime.handoff import CHECKED_CHECKPOINTS_ENV
 
 MANIFEST = "MANIFEST.json"
@@ -194,8 +195,6 @@ def decided_on_main_process(accelerator, decide) -> tuple[Path | None, int, str 
     if accelerator.num_processes == 1:
         return decide()
     from accelerate.utils import broadcast_object_list
-
-    from ..config import ConfigError
 
     answer = [None, 0, None, None]
     if accelerator.is_main_process:

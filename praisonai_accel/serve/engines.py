@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.inference import base_model_of
+from .model_view import make_view, merged_model
 from .target import ServeError, Target
 
 # transformers serve takes no API key: the one engine that is refused --api-key
@@ -33,8 +35,6 @@ def check_api_key(engine: str, api_key: str | None) -> None:
 def transformers_launch(target: Target, host: str, port: int, trust_remote_code: bool = False) -> Launch:
     """`transformers serve NAME` in a folder where NAME is a view of the model: transformers takes an existing local
     path as the model's name, so requests and /v1/models call it NAME. An adapter is merged first (model_view)."""
-    from .model_view import make_view, merged_model
-
     model_dir, note = target.model_dir, ""
     if target.adapter:
         model_dir, reused = merged_model(target.model_dir, trust_remote_code)
@@ -73,9 +73,6 @@ def vllm_launch(target: Target, host: str, port: int, api_key: str | None) -> La
     """vLLM's OpenAI server: a full model as it is, an adapter on its base with --enable-lora (no merge), the
     tokenizer (and so the chat template) of the run's directory, and a generation config that stops at its end of
     turn (model_view)."""
-    from ..models.inference import base_model_of
-    from .model_view import make_view
-
     folder, view = make_view(target.model_dir, target.name)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
                "--tokenizer", str(target.model_dir), "--generation-config", str(view)]

@@ -11,6 +11,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..models.inference import ModelDirError, inputs_of, is_processor, model_config_of, stop_token_ids
+from ..publish.merge import merge_adapter
 from ..run_dir.output_dirs import MARKER, read_marker
 from .target import ServeError
 
@@ -45,9 +47,6 @@ def adapter_hash(adapter_dir: Path) -> str:
 
 def merged_model(adapter_dir: Path, trust_remote_code: bool = False) -> tuple[Path, bool]:
     """(the merged model directory in the cache, whether an earlier merge was reused)."""
-    from ..models.inference import ModelDirError
-    from ..publish.merge import merge_adapter
-
     target = cache_root() / "merged" / adapter_hash(adapter_dir)[:24]
     if (read_marker(target) or {}).get("kind") == "merged" and (target / "config.json").is_file():
         return target, True
@@ -63,8 +62,6 @@ def generation_config_of(model_dir: Path, trust_remote_code: bool = False):
     """The directory's generation_config.json, else one from its config (an adapter's: its base model's)."""
     from transformers import GenerationConfig
 
-    from ..models.inference import model_config_of
-
     try:
         return GenerationConfig.from_pretrained(str(model_dir))
     except OSError:
@@ -77,8 +74,6 @@ def stop_ids(model_dir: Path, trust_remote_code: bool = False) -> list[int]:
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
-
-    from ..models.inference import inputs_of, is_processor, stop_token_ids
 
     generation = generation_config_of(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

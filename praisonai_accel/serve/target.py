@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..evaluate.targets import resolve_target as resolve_eval_target
+from ..models.inference import ModelDirError, resolve_model_dir
 from ..run_dir.checkpoints import step_of
 
 ENGINES = ("auto", "transformers", "llama-cpp", "vllm")
@@ -101,8 +103,6 @@ def require_engine(engine: str) -> None:
 def checkpoint_model(path: Path, trust_remote_code: bool = False) -> tuple[Path, str]:
     """A checkpoint-<step> directory: (the model it holds, its adapter/, as `eval` finds it, its base checked to be at
     hand; the name of the run it belongs to, finished or still training)."""
-    from ..evaluate.targets import resolve_target as resolve_eval_target
-
     found = resolve_eval_target(str(path), trust_remote_code)
     return Path(found.model), Path(found.output_dir or path.parent).resolve().name
 
@@ -110,8 +110,6 @@ def checkpoint_model(path: Path, trust_remote_code: bool = False) -> tuple[Path,
 def resolve_target(path: Path, engine: str = "auto", name: str | None = None, quantization: str | None = None,
                    trust_remote_code: bool = False) -> Target:
     """The model to serve and its engine, every refusal one line; nothing is loaded."""
-    from ..models.inference import ModelDirError, resolve_model_dir
-
     if engine not in ENGINES:
         raise ServeError(f"--engine '{engine}': use one of {', '.join(ENGINES)}")
     path = Path(path)

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..methods.context import RunContext
 from ..runtime.distributed import attempt_id, ddp_backend_kwargs, fsdp_requested, resolve_mixed_precision
 
 log = logging.getLogger("praisonai_accel")
@@ -114,8 +115,6 @@ def start_trackers(accelerator, config: TrainConfig, verbose: bool) -> None:
 
 def run_context(accelerator, tokenizer, config: TrainConfig):
     """What the training method is handed by TrainingMethod.set_up: nothing it must find for itself."""
-    from ..methods.context import RunContext
-
     return RunContext(accelerator, tokenizer, config.output_path(), functools.partial(log_table, accelerator,
                                                                                        config.trackers))
 

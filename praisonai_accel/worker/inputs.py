@@ -10,9 +10,11 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
 from ..data import LengthGroupedSampler, cache_dir, load_datasets, report_stats, wait_for_cache
+from ..data.packing import PackedDataset
 from ..runtime.distributed import attempt_id
 from ..errors import first_line
 from ..runtime.handoff import PREPROCESSING_ENV, wait_for_launcher
+from .accelerator import sees_what_rank0_wrote
 
 log = logging.getLogger("praisonai_accel")
 
@@ -70,8 +72,6 @@ def train_loader(config: TrainConfig, dataset, collate, packing: bool, batch_siz
     import torch
     from torch.utils.data import DataLoader
 
-    from ..data.packing import PackedDataset
-
     common = {"batch_size": batch_size or config.per_device_train_batch_size, "collate_fn": collate}
     lengths = dataset.lengths
     if packing:
@@ -86,6 +86,4 @@ def train_loader(config: TrainConfig, dataset, collate, packing: bool, batch_siz
 
 
 def shares_cache(accelerator, config: TrainConfig) -> bool:
-    from .accelerator import sees_what_rank0_wrote
-
     return sees_what_rank0_wrote(accelerator, cache_dir(config))

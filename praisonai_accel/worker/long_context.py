@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from ..config import TrainConfig
+from .accelerator import track_loader
 
 log = logging.getLogger("praisonai_accel")
 
@@ -50,7 +51,6 @@ def prepare(accelerator, loss_module, optimizer, loader, sp):
     if sp is None:
         return accelerator.prepare(loss_module, optimizer, loader)
     from ..models.sequence_parallel import prepare_loader
-    from .accelerator import track_loader
 
     module, optimizer = accelerator.prepare(loss_module, optimizer)
     prepared = prepare_loader(accelerator, loader, sp.layout)

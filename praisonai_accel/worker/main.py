@@ -16,11 +16,19 @@ from pathlib import Path
 
 from ..config import ConfigError, load_config
 from ..data import DataError
+from ..publish.gguf import after_training
+from ..publish.hub import HubPublisher
+from ..publish.ollama import publish
+from ..run_dir.checkpoints import latest_complete
+from ..run_dir.lock import RunLocked, lock_for_worker, release_worker_lock
 from ..runtime.distributed import DistEnv, die_with_parent
 from ..errors import first_line
 from ..runtime.handoff import VERBOSE_ENV, HandoffFailed
 from ..logs import FILE_ONLY, console_logging, log_to_file
-from .failures import PEER_GONE, explain, first_to_report
+from .failures import PEER_GONE, DiskFull, Interrupted, Preempted, explain, first_to_report
+from .outputs import record_end
+from .preflight import PreflightError
+from .recipe import train
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as if the signal had ended us, but with a checkpoint on disk
 PUBLISH_FAILED_EXIT_CODE = 4  # trained and saved, but a push or an Ollama create failed
@@ -66,9 +74,6 @@ def return_freed_memory_promptly() -> None:
 
 
 def _exit_codes(config):
-    from .preflight import PreflightError
-    from .failures import DiskFull, Interrupted, Preempted
-
     # (error class, exit code, who prints its line, close the process group without waiting)
     # "local rank 0": every rank hits the same bad input, say it once per machine; "rank 0": once per job;
     # "first": the rank that hit it (its own rows), once per job.
@@ -85,9 +90,6 @@ def _exit_codes(config):
 
 
 def _message(exc: BaseException, config, env: DistEnv | None = None) -> str:
-    from ..run_dir.checkpoints import latest_complete
-    from .failures import Preempted
-
     if isinstance(exc, KeyboardInterrupt):  # before training began: only an earlier attempt's checkpoint is there
         latest = latest_complete(config.output_path(), warn=False)
         if latest is None:
@@ -117,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         if env.local_rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT_CODE
-    from ..run_dir.lock import RunLocked, lock_for_worker
 
     try:
         lock_for_worker(config.output_path(), env.rank)  # started without the launcher: rank 0 holds output_dir
@@ -125,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {first_line(exc)}", file=sys.stderr)
         return BAD_INPUT_EXIT_CODE
     log_path = log_to_file(config.output_path(), env.rank)
-    from .recipe import train
 
     try:
         publisher = _hub_publisher(config, env)
@@ -175,8 +175,6 @@ def _failed(exc: BaseException, env: DistEnv, config, log_path: Path | None) -> 
 
 
 def _record_end(config, status: str, code: int, replaces: tuple[str, ...] = ("running",)) -> None:
-    from .outputs import record_end
-
     try:
         record_end(config.output_path(), status, code, replaces)
     except OSError:  # the output_dir itself may be what failed
@@ -186,7 +184,6 @@ def _record_end(config, status: str, code: int, replaces: tuple[str, ...] = ("ru
 def _hub_publisher(config, env: DistEnv):
     if not config.push_to_hub or env.rank != 0:
         return None
-    from ..publish.hub import HubPublisher
 
     return HubPublisher(config)
 
@@ -194,12 +191,8 @@ def _hub_publisher(config, env: DistEnv):
 def publish_after_training(config, publisher, final_dir: Path) -> list[str]:
     """Wait for Hub uploads, write the GGUF files asked for, then create the Ollama model; one line per failure."""
     problems = publisher.wait() if publisher is not None else []
-    from ..publish.gguf import after_training  # save_gguf, huggingface_save_gguf, ollama_save (Ollama FROM the GGUF)
-
-    problems += after_training(config, final_dir)
+    problems += after_training(config, final_dir)  # save_gguf, huggingface_save_gguf, ollama_save (FROM the GGUF)
     if config.ollama_model and not config.ollama_save:
-        from ..publish.ollama import publish
-
         try:
             modelfile = publish(final_dir, config.ollama_model, ollama_base=config.ollama_base, push=config.ollama_push,
                                 trust_remote_code=config.trust_remote_code)
@@ -227,8 +220,6 @@ def exit_now(code: int) -> None:
     """Leave without interpreter teardown once everything is written and flushed. Under DDP, gloo's threads
     can call std::terminate there ("terminate called without an active exception"), turning a finished run
     into SIGABRT; and tearing down torch, transformers and their modules takes more than a second on its own."""
-    from ..run_dir.lock import release_worker_lock
-
     release_worker_lock()
     logging.shutdown()
     sys.stdout.flush()

@@ -15,7 +15,9 @@ from ..data.processor_files import save_processing
 from ..run_dir.output_dirs import NotOurs, replace_with
 from . import checkpoint as ckpt
 from ..run_dir import checkpoints as ckpt_dir
-from ..run_dir.metrics import read_metrics
+from ..run_dir.metrics import headline_names, read_metrics
+from ..run_dir.report import write_loss_plot
+from .metrics import short_name
 
 log = logging.getLogger("praisonai_accel")
 
@@ -98,9 +100,6 @@ def record_end(output_dir: Path, status: str, exit_code: int, replaces: tuple[st
 def end_summary(summary: dict, metrics, adapter: bool, resumed_from: Path | None) -> list[str]:
     """The few lines a run ends with: time, loss and the headline metrics first -> last, evaluation, best
     checkpoint, where the model is. `metrics`: the run's MetricsLogger (this attempt's first and last records)."""
-    from .metrics import short_name
-    from ..run_dir.metrics import headline_names
-
     seconds = summary.get("train_seconds") or 0
     minutes, secs = divmod(int(seconds), 60)
     resumed = f", resumed from {resumed_from.name}" if resumed_from else ""
@@ -155,8 +154,6 @@ def write_summary(summary: dict, output_dir: Path, plot_loss: bool) -> None:
     """train_summary.json and, if asked, loss.png (rank 0 calls this)."""
     write_json_atomic(summary, output_dir / "train_summary.json")
     if plot_loss:
-        from ..run_dir.report import write_loss_plot
-
         plot = write_loss_plot(output_dir)
         if plot is not None:
             log.info("loss plot: %s", plot)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..evaluate.lm import run_lm
+from ..evaluate.tasks import build_tasks, scores
 
 
 class TaskEvaluation:
@@ -25,7 +27,6 @@ class TaskEvaluation:
             # lm-eval's ranks run different numbers of forwards, which sharded parameters cannot follow
             raise ConfigError("eval_tasks: not supported under FSDP or sequence_parallel_size > 1; score the "
                               "checkpoints with `praisonai-accel eval` instead")
-        from ..evaluate.tasks import build_tasks
 
         include = Path(config.eval_include_path) if config.eval_include_path else None
         manager, _ = build_tasks(config.eval_tasks, include, ("eval_tasks", "eval_include_path"))
@@ -38,9 +39,6 @@ class TaskEvaluation:
         import torch
         from accelerate.utils import broadcast_object_list
         from lm_eval import simple_evaluate
-
-        from ..evaluate.lm import run_lm
-        from ..evaluate.tasks import scores
 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its warnings about a model passed in already loaded
         model = accelerator.unwrap_model(loss_module).causal_lm

@@ -17,6 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
+from .outputs import record_end
+
 HANG_EXIT_CODE = 124  # as timeout(1) reports a command it had to stop
 _COLLECTIVE_GRACE_SECONDS = 30
 
@@ -63,8 +65,6 @@ class Watchdog:
                   flush=True)
         if self.log_path is not None:  # output_dir/logs/rank-N.log: progress.json says how the run ended
             try:
-                from .outputs import record_end
-
                 record_end(self.log_path.parent.parent, "failed", HANG_EXIT_CODE)
             except Exception:  # the line above is what matters; leave now whatever happens
                 pass

@@ -4,7 +4,6 @@ conversation; the model's tokens are kept as sampled; tools that raise, hang, pr
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -153,14 +152,19 @@ def test_a_trajectory_is_the_templates_rendering_of_its_conversation_and_trains_
     assert tensors["trained"].sum() == sum(trajectory.trained) and tensors["keep"].sum() == len(trajectory.completion)
 
 
-def test_max_tool_calling_iterations_and_the_completion_budget_end_a_rollout(tiny_dir):
+def _add_once(tiny_dir):
+    """Qwen 2.5's template with the add tool: (tokenizer, stop, template, tools, schemas, the prompt, a turn that
+    calls add(1, 2))."""
     tokenizer = family_tokenizer(tiny_dir, "qwen2_5")
     stop = tokenizer.eos_token_id
     template, tools = TemplateTools(tokenizer, [stop]), tool_set(add)
-    schemas = tools.schemas[None]
-    prompt = [{"role": "user", "content": "add"}]
     turn = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    return tokenizer, stop, template, tools, tools.schemas[None], [{"role": "user", "content": "add"}], turn
+
+
+def test_max_tool_calling_iterations_and_the_completion_budget_end_a_rollout(tiny_dir):
+    tokenizer, stop, template, tools, schemas, prompt, turn = _add_once(tiny_dir)
     conversation = prompt + [turn, {"role": "tool", "name": "add", "content": "3"}] * 3 + [turn]
     script = rendered(tokenizer, conversation, schemas, "qwen2_5")
     run = lambda **kw: run_tool_rollouts(Scripted(script, stop), template, tools, [prompt], [schemas], [None],
@@ -177,17 +181,9 @@ def test_max_tool_calling_iterations_and_the_completion_budget_end_a_rollout(tin
 
 
 def test_under_fsdp_a_rank_whose_rollouts_ended_keeps_up_with_the_others_turns_and_tokens(tiny_dir):
-    import torch
-
     from praisonai_accel.methods.generation import sample_completions
 
-    tokenizer = family_tokenizer(tiny_dir, "qwen2_5")
-    stop = tokenizer.eos_token_id
-    template, tools = TemplateTools(tokenizer, [stop]), tool_set(add)
-    schemas = tools.schemas[None]
-    prompt = [{"role": "user", "content": "add"}]
-    turn = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    tokenizer, stop, template, tools, schemas, prompt, turn = _add_once(tiny_dir)
     script = rendered(tokenizer, prompt + [turn, {"role": "tool", "name": "add", "content": "3"},
                                             {"role": "assistant", "content": "3"}], schemas, "qwen2_5")
 

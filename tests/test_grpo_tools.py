@@ -84,13 +84,14 @@ def test_2_processes_x_B_give_the_trajectories_and_adapter_of_1_process_x_2B_and
     two, one = tmp_path / "2xB" / "out", tmp_path / "1x2B" / "out"
     steps = _steps(two)
     for key in ("loss", "reward", "rewards/correct/mean", "tools/call_frequency", "tools/failure_frequency",
-                "tools/mean_turns", "completions/mean_length"):
+                "tools/mean_turns", "completions/mean_length", "completions/mean_turn_length"):
         assert max(abs(a[key] - b[key]) for a, b in zip(steps, _steps(one))) <= 1e-5, key
     assert _trajectories(two) == _trajectories(one)
     assert _adapter_diff(two, one) <= 1e-5
     # the model calls its tool; some calls fail (a = 7 raises, a = 3 hangs past tool_timeout) and the run goes on
     assert all(m["tools/call_frequency"] >= 0.4 for m in steps), steps
     assert any(m["tools/failure_frequency"] > 0 for m in steps), steps
+    assert all(0 < m["completions/mean_turn_length"] < m["completions/mean_length"] for m in steps), steps
     trajectories = _trajectories(two)
     tool_results = [m["content"] for t in trajectories for m in t["completion"] if m["role"] == "tool"]
     assert any(r.isdigit() for r in tool_results), tool_results

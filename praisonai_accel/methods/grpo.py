@@ -41,7 +41,7 @@ COMPLETIONS_FILE = "completions.jsonl"
 BUFFER_FILE = "rollout_{rank}.safetensors"  # in a checkpoint taken mid-way through a batch's num_iterations steps
 
 
-TOOL_SUMS = ("tools/calls_sum", "tools/failures_sum", "tools/turns_sum")  # tool_rollout.tool_sums
+TOOL_SUMS = ("tools/calls_sum", "tools/failures_sum", "tools/turns_sum", "tools/model_tokens_sum")  # tool_sums
 
 
 def uses_tools(config) -> bool:
@@ -189,7 +189,9 @@ class GRPO(TrainingMethod):
             calls = sums.get("tools/calls_sum", 0.0)
             out["tools/call_frequency"] = calls / completions
             out["tools/failure_frequency"] = sums.get("tools/failures_sum", 0.0) / calls if calls else 0.0
-            out["tools/mean_turns"] = sums.get("tools/turns_sum", 0.0) / completions
+            turns = sums.get("tools/turns_sum", 0.0)
+            out["tools/mean_turns"] = turns / completions
+            out["completions/mean_turn_length"] = sums.get("tools/model_tokens_sum", 0.0) / turns if turns else 0.0
         return out
 
     # ---------------------------------------------------------------- rollouts

@@ -256,4 +256,5 @@ def tool_sums(rollouts: list[Trajectory]) -> dict[str, float]:
     """What the metrics of a tool rollout sum over completions (methods/grpo.py reads them)."""
     return {"tools/calls_sum": float(sum(r.calls for r in rollouts)),
             "tools/failures_sum": float(sum(r.failures for r in rollouts)),
-            "tools/turns_sum": float(sum(r.turns for r in rollouts))}
+            "tools/turns_sum": float(sum(r.turns for r in rollouts)),
+            "tools/model_tokens_sum": float(sum(sum(r.trained) for r in rollouts))}

@@ -1,19 +1,17 @@
 """Which tokens of a conversation are trained: every assistant reply with its end-of-turn token, nothing else.
 
-Where the ecosystem knows the answer we use it: a template that carries `{% generation %}` markers,
-or trl's training twin of a known template, gives transformers' assistant-token mask
-(`apply_chat_template(..., return_assistant_tokens_mask=True)`). For any other template the reply
-spans are found by rendering the conversation's prefixes (see `rendered_spans`). Either way
-`masking_check.check_masking` verifies the result on a sample of the data, independently of how it was built.
-"""
+Where the ecosystem knows the answer we use it: a template that carries `{% generation %}` markers, or trl's training
+twin of a known template, gives transformers' assistant-token mask (`apply_chat_template(...,
+return_assistant_tokens_mask=True)`). For any other template the reply spans are found by rendering the
+conversation's prefixes (`rendered_spans`). Either way `masking_check.check_masking` verifies the result on a sample
+of the data, independently of how it was built."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 IGNORE_INDEX = -100
@@ -107,7 +105,7 @@ def plan_masking(tokenizer, spans_only: bool = False) -> MaskingPlan:
     plan = MaskingPlan(template, method, name, content_blocks=_reads_content_blocks(tokenizer, template),
                        string_arguments=_wants_string_arguments(tokenizer, template),
                        recognised_by=recognised_by if name != "custom" else "")
-    return dataclasses.replace(plan, **_model_written_parts(tokenizer, plan))
+    return replace(plan, **_model_written_parts(tokenizer, plan))
 
 
 def _probe_conversations() -> list[tuple[list[dict], list | None, bool]]:

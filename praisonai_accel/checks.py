@@ -9,8 +9,8 @@ files (output_dir, the model's folder) runs only where they are at hand: not whe
 on a machine that will never see the pods' volume. `check_run` runs them.
 
 Imported by the launcher and by the worker; imports only the config, the run directory, what a model takes
-(data/vision_processor.ModelInputs), and (for sequence_parallel_size) sequence_parallel's pure checks; the method's own rules are its
-class's check_config (method_rule).
+(data/vision_processor.ModelInputs), the method registry and (for sequence_parallel_size) sequence_parallel's pure
+checks; the method's own rules are its class's check_config (method_rule).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs w
 full (modules_to_save), AdamW at the same learning rate, batch --batch pairs, fp32 on CPU, each in a fresh process
 (peak RSS is that process's ru_maxrss, step time the median of the steps after the first two). --gpu: one CUDA GPU,
 bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's RewardMethod (encode, collate) and
-RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step.
+RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step. Gradient
+checkpointing (non-reentrant) is on for both sides by default, as RewardConfig has it (--checkpointing).
 
 Accuracy (--accuracy): the reward demo's task (commands/demo_reward.py: the DPO demo's pairs, commas chosen over
 spaces) on the same base (the tiny demo Llama), data, LoRA (r16, alpha 32), batch, learning rate and steps: ours
@@ -35,7 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from dpo import LORA_TARGETS, WARMUP, _peak_mib, _sync, make_pairs  # noqa: E402
 
 
-def _classifier(path, tokenizer, lora_targets, gpu: bool):
+def _classifier(path, tokenizer, lora_targets, gpu: bool, checkpointing: bool = False):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
@@ -43,6 +44,9 @@ def _classifier(path, tokenizer, lora_targets, gpu: bool):
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if checkpointing:  # as the recipe does for use_gradient_checkpointing: true, and RewardTrainer by default
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets,
                                             task_type="SEQ_CLS")).to("cuda" if gpu else "cpu")
 
@@ -61,7 +65,8 @@ def run_ours(args) -> dict:
     method = RewardMethod(config)
     pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     examples = [method.encode(p, "paired", tokenizer, config) for p in pairs]
-    module = RewardLoss(_classifier(args.model, tokenizer, LORA_TARGETS, args.gpu), None).train()
+    module = RewardLoss(_classifier(args.model, tokenizer, LORA_TARGETS, args.gpu, args.checkpointing == "on"),
+                        None).train()
     device = "cuda" if args.gpu else "cpu"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
@@ -84,7 +89,8 @@ def run_ours(args) -> dict:
 
 
 def _trl_trainer(model_path: str, pairs: list[dict], out: Path, steps: int, batch: int, lr: float, length: int,
-                 gpu: bool, callbacks=(), seed: int = 0, warmup_steps: int = 0, scheduler: str = "constant"):
+                 gpu: bool, callbacks=(), seed: int = 0, warmup_steps: int = 0, scheduler: str = "constant",
+                 checkpointing: bool = True):
     import datasets
     import torch
     from peft import LoraConfig
@@ -101,7 +107,7 @@ def _trl_trainer(model_path: str, pairs: list[dict], out: Path, steps: int, batc
     config = RewardConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=lr,
                           lr_scheduler_type=scheduler, warmup_steps=warmup_steps, logging_steps=1, save_strategy="no",
                           report_to="none", max_length=length, use_cpu=not gpu, bf16=gpu, seed=seed,
-                          dataloader_num_workers=0, disable_tqdm=True)
+                          dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=checkpointing)
     peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="SEQ_CLS",
                              modules_to_save=["score"])
     return RewardTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(pairs),
@@ -124,7 +130,7 @@ def run_trl(args) -> dict:
 
     pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     trainer = _trl_trainer(args.model, pairs, Path(args.out) / "trl", args.steps, args.batch, args.lr, args.length,
-                           args.gpu, [StepTimes()])
+                           args.gpu, [StepTimes()], checkpointing=args.checkpointing != "off")
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu)}
@@ -146,7 +152,8 @@ def speed(args) -> None:
     for name in ("ours", "trl"):
         command = [sys.executable, __file__, "--child", name, "--model", str(model), "--data", str(data), "--out",
                    str(work), "--work", str(work), "--batch", str(args.batch), "--steps", str(args.steps),
-                   "--length", str(args.length), "--lr", str(args.lr)] + (["--gpu"] if args.gpu else [])
+                   "--length", str(args.length), "--lr", str(args.lr), "--checkpointing", args.checkpointing] + (
+                      ["--gpu"] if args.gpu else [])
         started = time.time()
         subprocess.run(command, check=True, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
         results[name] = json.loads((work / f"{name}.json").read_text())
@@ -157,6 +164,7 @@ def speed(args) -> None:
         "device": "gpu (bf16 autocast); memory: peak GPU allocated" if args.gpu else "cpu (fp32); memory: peak RSS",
         "shape": {"vocab": args.vocab, "hidden": 512, "layers": args.layers, "length": args.length,
                   "batch_pairs": args.batch, "steps": args.steps, "lora_r": 16,
+                  "gradient_checkpointing": args.checkpointing,
                   "tokens_per_pair": results["ours"]["tokens_per_pair"]},
         "step_time_ratio": results["ours"]["median_step_seconds"] / results["trl"]["median_step_seconds"],
         "peak_rss_ratio": results["ours"]["peak_rss_mib"] / results["trl"]["peak_rss_mib"],
@@ -220,6 +228,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, bf16 autocast; memory = peak GPU allocated")
     parser.add_argument("--accuracy", action="store_true", help="held-out accuracy on the demo task instead")
+    parser.add_argument("--checkpointing", choices=["on", "off", "trl-default"], default="on",
+                        help="gradient checkpointing on both sides (on, as RewardConfig defaults), off on both, or "
+                             "trl-default: TRL's default (on) against ours without (how the first record was taken)")
     parser.add_argument("--child", choices=["ours", "trl"])
     parser.add_argument("--model")
     parser.add_argument("--data")

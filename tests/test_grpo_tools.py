@@ -127,6 +127,25 @@ def test_under_fsdp_the_ranks_roll_out_their_own_turns_and_sample_what_ddp_sampl
         assert abs(a[key] - b[key]) <= 1e-6, key
 
 
+def test_qlora_with_tools_trains_on_2_processes(tmp_path, tool_model):
+    import subprocess
+    import sys
+
+    from test_qlora import bnb_env
+
+    if subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=bnb_env(), capture_output=True).returncode:
+        pytest.skip("bitsandbytes is not installed (pip install --target .bnb bitsandbytes)")
+    config = _config(tmp_path, tool_model, max_steps=2, per_device_train_batch_size=8, finetune_type="qlora",
+                     learning_rate=1e-3)
+    result = cli("train", str(config), *TWO, env=bnb_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    steps = _steps(out)
+    assert len(steps) == 2 and all(m["tools/call_frequency"] > 0 for m in steps), steps
+    assert any(m["role"] == "tool" for t in _trajectories(out) for m in t["completion"])
+    assert (out / "lora_model" / "adapter_model.safetensors").is_file()
+
+
 def test_sigkill_then_resume_gives_the_same_trajectories_and_adapter(tmp_path, tool_model):
     exact = dict(max_steps=5, per_device_train_batch_size=8, use_gradient_checkpointing=True)
     result = cli("train", str(_config(tmp_path / "reference", tool_model, **exact)), *TWO)

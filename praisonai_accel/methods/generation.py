@@ -114,10 +114,10 @@ def sample_turn(forward: Callable, new_ids: torch.Tensor, new_mask: torch.Tensor
     stops = torch.as_tensor(stop_ids, dtype=torch.long, device=new_ids.device)
     new_mask = new_mask.long()
     if start is None:
-        mask, positions, past, seen = new_mask, positions_of(new_mask), None, new_ids
+        mask, positions, past, prefilled = new_mask, positions_of(new_mask), None, new_ids
     else:
         mask, past = torch.cat([start.mask, new_mask], dim=1), start.past
-        positions, seen = start.last + new_mask.cumsum(-1), torch.cat([start.ids, new_ids], dim=1)
+        positions, prefilled = start.last + new_mask.cumsum(-1), torch.cat([start.ids, new_ids], dim=1)
     logits, past = forward(new_ids, mask, positions, past)
     last = positions[:, -1:]
     done = torch.zeros(new_ids.size(0), dtype=torch.bool, device=new_ids.device)
@@ -137,11 +137,11 @@ def sample_turn(forward: Callable, new_ids: torch.Tensor, new_mask: torch.Tensor
             break
         mask = torch.cat([mask, real], dim=1)
         last = last + real
-        seen = torch.cat([seen, token[:, None]], dim=1)
         logits, past = forward(token[:, None], mask, last, past)
     completions = torch.stack(tokens[:max_new_tokens], dim=1)
     keep, ended = completion_mask(completions, stops)
-    return completions.masked_fill(~keep, pad_id), keep, ended, Continuation(past, mask, last, seen)
+    fed = torch.cat([prefilled, *(token[:, None] for token in tokens[:-1])], dim=1)  # every token but the last went in
+    return completions.masked_fill(~keep, pad_id), keep, ended, Continuation(past, mask, last, fed)
 
 
 def cache_argument(model) -> str:

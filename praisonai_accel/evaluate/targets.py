@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, first_line
+from ..run_dir.checkpoints import step_of
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -59,9 +59,8 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
     if not path.is_dir():
         raise ConfigError(f"TARGET {target}: is a file; expected a run's output_dir, a checkpoint or a model directory")
     output_dir, step = None, None
-    match = _CHECKPOINT.match(path.name)
-    if match:
-        output_dir, step = path.parent, int(match.group(1))
+    if step_of(path) >= 0:
+        output_dir, step = path.parent, step_of(path)
         if (path / "adapter" / "adapter_config.json").is_file():
             path = path / "adapter"
         elif not (path / "config.json").is_file():
@@ -78,8 +77,8 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
     if output_dir is None and model_dir.parent.joinpath("train_summary.json").is_file():
         output_dir = model_dir.parent
         step = _summary(output_dir).get("global_step")
-    elif output_dir is None and model_dir.name == "adapter" and _CHECKPOINT.match(model_dir.parent.name):
-        output_dir, step = model_dir.parent.parent, int(_CHECKPOINT.match(model_dir.parent.name).group(1))
+    elif output_dir is None and model_dir.name == "adapter" and step_of(model_dir.parent) >= 0:
+        output_dir, step = model_dir.parent.parent, step_of(model_dir.parent)
     facts = _marker(model_dir)
     if facts.get("trust_remote_code") and not trust_remote_code:
         raise ConfigError(f"TARGET {target}: was trained with trust_remote_code: true; pass --trust-remote-code to run "

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 from ..config import load_config
 from ..data.formats import check_row, detect_format, to_conversation
 from ..data.sources import read_rows
+from ..run_dir.checkpoints import step_of
 from . import gguf_engine
 from .gguf_llamacpp import GGUFError
 
@@ -66,7 +66,7 @@ def run_config(path: Path, model_dir: Path):
     the model: a final model, or a checkpoint's adapter) names the config file the run was started with. None where
     the run predates that record, or the config has since moved, changed or no longer names this model."""
     places = [path, model_dir.parent]
-    if re.fullmatch(r"checkpoint-\d+", model_dir.parent.name):
+    if step_of(model_dir.parent) >= 0:
         places.append(model_dir.parent.parent)
     for output_dir in dict.fromkeys(p.resolve() for p in places):
         try:

@@ -1,5 +1,6 @@
 """One rank's part of `praisonai-accel eval`: load the model once, score it with lm-eval (the adapter enabled, then
-disabled for the base; a full fine-tune's base loaded after it), and on rank 0 write what was scored to a JSON file the command reads."""
+disabled for the base; a full fine-tune's base loaded after it), and on rank 0 write what was scored to a JSON file
+the command reads."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool, inputs: Mo
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true needs a CUDA GPU, and none is visible; set use_unsloth: auto or false")
         return Backend("transformers", reason="no CUDA GPU")
-    if inputs.images is None and config.use_unsloth is not True:  # unsloth's loader is text-only: not for a model that may
+    # unsloth's loader is text-only: not for a model that may take images
+    if inputs.images is None and config.use_unsloth is not True:
         return Backend("transformers", reason=f"whether {config.model_name} takes images cannot be told (its "
                                               "config.json is neither here nor fetched from the Hub)")
     mark_unsloth_ddp(env)

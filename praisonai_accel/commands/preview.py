@@ -29,22 +29,24 @@ def preview_command(
     console = Console(highlight=False, soft_wrap=True) if colour else None
     show = console.print if colour else typer.echo
     legend = "trained tokens in green" if colour else "trained tokens between [[ and ]]"
+
+    def show_parts(parts, marks=()) -> None:
+        for title, ids, labels in parts:
+            if title:  # a preference example: its prompt, then each completion after it; a logged rollout
+                show(f"- {title} ({len(ids)} tokens):")
+            show(marked_text(tokenizer, ids, labels, colour, () if title else marks))
+
     for index in range(min(examples, len(data))):
         parts = example_parts(cfg, data[index])
         tokens = sum(len(ids) for _, ids, _ in parts)
         trained = sum(label != IGNORE_INDEX for _, _, labels in parts for label in labels)
         show(f"--- example {index + 1} of {len(data)}: {tokens} tokens, {trained} trained ({legend})")
-        for title, ids, labels in parts:
-            if title:  # a preference example: its prompt, then each completion after it
-                show(f"- {title} ({len(ids)} tokens):")
-            show(marked_text(tokenizer, ids, labels, colour, image_marks(tokenizer, data[index]) if not title else ()))
+        show_parts(parts, image_marks(tokenizer, data[index]))
     logged = type(cfg).training_method.logged_parts(cfg, examples)
     if logged:
         show(f"--- the run's last {len(logged)} logged rollout(s), as sampled ({legend})")
     for parts in logged:
-        for title, ids, labels in parts:
-            show(f"- {title} ({len(ids)} tokens):")
-            show(marked_text(tokenizer, ids, labels, colour, ()))
+        show_parts(parts)
     for row in dataset_rows(data, stats):
         typer.echo(f"=== {row['name']}")
         typer.echo(f"examples {row['examples']} of {row['rows']} | tokens {row['tokens']:,} | trained fraction "

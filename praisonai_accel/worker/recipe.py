@@ -98,8 +98,8 @@ class Recipe:
         self.packing = packing_for(config, self.backend, warn=self.env.is_main)
         self.accelerator = accelerator = build_accelerator(config, self.env.is_distributed, self.reentrant, use_cuda, bf16)
         quiet_libraries(self.verbose)
-        check_run(Situation(config, accelerator.num_processes, "worker", reentrant=self.reentrant,  # torchrun:
-                            distributed_type=accelerator.distributed_type.name))  # nothing was checked before
+        check_run(Situation(config, accelerator.num_processes, "worker", reentrant=self.reentrant,
+                            distributed_type=accelerator.distributed_type.name))  # torchrun checked nothing before
         self.data_parallel = data_parallel_size(config, accelerator.num_processes)
         if config.trust_remote_code and not config.revision and accelerator.is_main_process:  # once, not once per rank
             log.warning("warning: trust_remote_code: true without revision: every rank, node and restart runs whatever "

@@ -128,13 +128,9 @@ def test_under_fsdp_the_ranks_roll_out_their_own_turns_and_sample_what_ddp_sampl
 
 
 def test_qlora_with_tools_trains_on_2_processes(tmp_path, tool_model):
-    import subprocess
-    import sys
+    from test_qlora import bnb_env, skip_without_bitsandbytes
 
-    from test_qlora import bnb_env
-
-    if subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=bnb_env(), capture_output=True).returncode:
-        pytest.skip("bitsandbytes is not installed (pip install --target .bnb bitsandbytes)")
+    skip_without_bitsandbytes()
     config = _config(tmp_path, tool_model, max_steps=2, per_device_train_batch_size=8, finetune_type="qlora",
                      learning_rate=1e-3)
     result = cli("train", str(config), *TWO, env=bnb_env())

@@ -22,11 +22,15 @@ def bnb_env(**extra) -> dict:
     return cpu_env(PYTHONPATH=path, **extra)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def bitsandbytes_available():
+def skip_without_bitsandbytes() -> None:
     probe = subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=bnb_env(), capture_output=True)
     if probe.returncode != 0:
         pytest.skip("bitsandbytes is not installed (pip install --target .bnb bitsandbytes)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bitsandbytes_available():
+    skip_without_bitsandbytes()
 
 
 @pytest.fixture(scope="module")

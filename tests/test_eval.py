@@ -367,6 +367,12 @@ def test_bad_inputs_are_one_line_before_any_model_loads(setup, tmp_path, no_mode
     (orphan / "adapter_config.json").write_text(json.dumps(config))
     _one_line(_invoke(str(orphan), "--tasks", "tiny_mc", "--include-path", tasks), "base model", "not at hand")
     _one_line(_invoke(adapter, "--tasks", "arc_easy"), "arc_easy", "cannot be reached")
+    # local tasks are indexed without lm-eval's built-in ones; a built-in task, named or in a local group, still is
+    _one_line(_invoke(adapter, "--tasks", "tiny_mc,arc_easy", "--include-path", tasks), "cannot be reached")
+    group = tmp_path / "group"
+    shutil.copytree(setup["tasks"], group)
+    (group / "mixed.yaml").write_text("group: mixed\ntask:\n  - tiny_mc\n  - arc_easy\n")
+    _one_line(_invoke(adapter, "--tasks", "mixed", "--include-path", str(group)), "mixed", "cannot be reached")
     _one_line(_invoke(adapter, "--tasks", "tiny_mc", "--include-path", tasks, "--max-regression", "tiny_mc"),
               "TASK=DELTA")
     images = tmp_path / "images"

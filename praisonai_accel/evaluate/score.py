@@ -83,9 +83,9 @@ def score(request: EvalRequest, accelerator=None, manager=None, device=None) -> 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its warnings about a model passed in already loaded
 
     from .lm import run_lm
-    from .tasks import task_manager
+    from .tasks import build_tasks
 
-    manager = manager or task_manager(Path(request.include_path) if request.include_path else None)
+    manager = manager or build_tasks(request.tasks, Path(request.include_path) if request.include_path else None)[0]
     device = accelerator.device if accelerator is not None else device
     model, tokenizer = load_model(request.target, device)
     lm = run_lm(model, tokenizer, request.batch_size, accelerator)

@@ -43,20 +43,15 @@ def red_run(tmp_path_factory, tiny_model):
     """Trained to answer that everyone likes red; the task scores how likely that answer is (it gets better), while
     the eval set asks the same questions with answers of digits no training row holds (its loss gets worse): eval
     loss and the task score disagree by construction, so their best checkpoints differ."""
-    from transformers import AutoTokenizer
-
     root = tmp_path_factory.mktemp("red")
     rows = [{"instruction": f"what colour does {n} like", "input": "", "output": f"{n} likes red"} for n in NAMES]
     data = root / "red.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
     held_out = root / "digits.jsonl"
     held_out.write_text("".join(json.dumps({**r, "output": "0918273645" * 2}) + "\n" for r in rows))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     tasks = root / "tasks"
     tasks.mkdir()
-    docs = [{"context": tokenizer.apply_chat_template([{"role": "user", "content": f"{r['instruction']}\n\n"}],
-                                                      tokenize=False, add_generation_prompt=True),
-             "answer": r["output"]} for r in rows]
+    docs = [{"context": r["instruction"], "answer": r["output"]} for r in rows]  # in the chat template, as trained
     (tasks / "likes_red.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / "likes_red.yaml").write_text(TASK_YAML.format(data=tasks / "likes_red.jsonl"))
     trackers = {"report_to": "tensorboard"} if _tensorboard() else {}
@@ -100,14 +95,18 @@ def test_best_checkpoint_follows_the_task_score_not_the_eval_loss(red_run):
 
 def test_task_scores_are_lm_evals_own_on_the_final_model(red_run, tmp_path):
     """The logged score is lm-eval's on the model as it was at that step: `praisonai-accel eval` of the final model
-    (the best checkpoint's weights) gives the best score the run logged. The task's context is rendered with the
-    template already, and eval_tasks apply none: so neither does this eval, whatever the run records of its rows."""
-    out, _ = red_run
+    (the best checkpoint's weights), with its defaults, gives the best score the run logged. The run trained on
+    alpaca rows, so both render the task's prompts with the chat template, and say so."""
+    out, trained = red_run
+    assert "eval_tasks: chat template applied (the run trained on alpaca rows through it" in trained.stderr
     result = _invoke("eval", str(out), "--tasks", "likes_red", "--include-path", str(out.parent / "tasks"),
-                     "--limit", "4", "--no-apply-chat-template", "--output", str(tmp_path / "e.json"))
+                     "--limit", "4", "--output", str(tmp_path / "e.json"))
     assert result.exit_code == 0, result.output[-3000:]
-    scored = json.loads((tmp_path / "e.json").read_text())["tuned"]["results"]["likes_red"]["perplexity,none"]
-    assert scored == pytest.approx(read_summary(out)["best_metric"], rel=1e-4)
+    assert "chat template: applied (the run trained on alpaca rows" in result.output
+    scored = json.loads((tmp_path / "e.json").read_text())["tuned"]
+    assert scored["chat_template"]
+    assert scored["results"]["likes_red"]["perplexity,none"] == pytest.approx(read_summary(out)["best_metric"],
+                                                                               rel=1e-4)
 
 
 def test_two_ranks_score_their_shares_and_log_the_one_process_number(red_run, tmp_path, tiny_model):
@@ -122,7 +121,7 @@ def test_two_ranks_score_their_shares_and_log_the_one_process_number(red_run, tm
     summary = read_summary(tmp_path / "out")
     assert summary["num_processes"] == 2 and summary["best_checkpoint"] == "checkpoint-24"
     scored = _invoke("eval", str(tmp_path / "out"), "--tasks", "likes_red", "--include-path", str(root / "tasks"),
-                     "--no-apply-chat-template", "--output", str(tmp_path / "e.json"))
+                     "--output", str(tmp_path / "e.json"))
     assert scored.exit_code == 0, scored.output[-3000:]
     one = json.loads((tmp_path / "e.json").read_text())["tuned"]["results"]["likes_red"]["perplexity,none"]
     assert one == pytest.approx(summary["best_metric"], rel=1e-4)
@@ -172,6 +171,7 @@ def test_greater_is_better_defaults_to_transformers_rule():
     ({"eval_tasks": ["likes_red"], "eval_include_path": "TASKS", "metric_for_best_model": "eval_likes_red/acc"},
      "metric_for_best_model: task likes_red logs no metric 'acc'; it logs eval_likes_red/perplexity"),
     ({"eval_limit": 3}, "eval_limit: needs eval_tasks"),
+    ({"eval_apply_chat_template": False}, "eval_apply_chat_template: needs eval_tasks"),
 ])
 def test_bad_eval_tasks_are_one_line_before_launch(red_run, tmp_path, tiny_model, overrides, line):
     out, _ = red_run

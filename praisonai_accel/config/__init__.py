@@ -38,7 +38,7 @@ RESUMABLE_KEYS = {
     "max_steps", "num_train_epochs", "logging_steps", "save_strategy", "save_steps", "save_total_limit",
     "resume_from_checkpoint", "overwrite_output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "load_best_model_at_end", "early_stopping_patience",
-    "early_stopping_threshold", "eval_tasks", "eval_include_path", "eval_limit",
+    "early_stopping_threshold", "eval_tasks", "eval_include_path", "eval_limit", "eval_apply_chat_template",
     "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
     "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
     "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "force_resume",
@@ -156,8 +156,10 @@ class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, L
             self.eval_strategy = ("steps" if self.eval_steps else "epoch") if has_eval_data else "no"
         if self.eval_strategy != "no" and not has_eval_data:
             raise ValueError(f"eval_strategy: '{self.eval_strategy}' needs eval_dataset or val_split_ratio (or eval_tasks)")
-        if (self.eval_include_path or self.eval_limit) and not self.eval_tasks:
-            raise ValueError(f"{'eval_include_path' if self.eval_include_path else 'eval_limit'}: needs eval_tasks")
+        needs_tasks = [key for key in ("eval_include_path", "eval_limit", "eval_apply_chat_template")
+                       if getattr(self, key) is not None]
+        if needs_tasks and not self.eval_tasks:
+            raise ValueError(f"{needs_tasks[0]}: needs eval_tasks")
         if self.greater_is_better is None:  # transformers' rule
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.eval_strategy == "steps" and not self.eval_steps:

@@ -242,6 +242,9 @@ class EvalKeys(BaseModel):
     eval_include_path: str | None = Field(default=None, description="A directory of lm-eval YAML tasks for eval_tasks.")
     eval_limit: float | None = Field(default=None, gt=0, description="At most this many documents per eval_tasks task "
                                                                      "(a fraction below 1).")
+    eval_apply_chat_template: bool | None = Field(
+        default=None, description="Render eval_tasks prompts with the chat template; default: as the run renders its "
+                                  "rows (`eval`'s default too).")
     per_device_eval_batch_size: int | None = Field(
         default=None, gt=0, description="Examples per process per eval batch; default: per_device_train_batch_size.")
     load_best_model_at_end: bool = Field(

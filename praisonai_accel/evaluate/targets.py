@@ -145,15 +145,20 @@ def _run_default(target: EvalTarget) -> tuple[bool, str]:
     """(apply the chat template, why) for a target from a run: as the run rendered its training rows."""
     from ..models.inference import inputs_of
 
-    formats = trained_formats(target.output_dir)
-    chat = sorted({str(f) for f in (formats or {}).values()} & set(CHAT_FORMATS))
-    if chat:
-        return True, f"the run trained on {', '.join(chat)} rows through it"
     try:
         images = inputs_of(Path(target.model), target.trust_remote_code).vision
     except (OSError, ValueError, KeyError):
         images = False
-    if images:
+    return template_default(trained_formats(target.output_dir), images)
+
+
+def template_default(formats: dict | None, vision: bool) -> tuple[bool, str]:
+    """(apply the chat template, why): as a run with these {dataset: format} rendered its training rows. `eval` of
+    a run and eval_tasks during it decide with this one rule, so that their scores agree."""
+    chat = sorted({str(f) for f in (formats or {}).values()} & set(CHAT_FORMATS))
+    if chat:
+        return True, f"the run trained on {', '.join(chat)} rows through it"
+    if vision:
         return True, "a vision run trains on conversations through it"
     if formats and set(map(str, formats.values())) == {"text"}:
         return False, "the run trained on text rows"

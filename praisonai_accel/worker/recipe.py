@@ -128,7 +128,8 @@ class Recipe:
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
                                                                          self.method.data(self.tokenizer))
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
-        self.task_eval = TaskEvaluation.build(config, self.tokenizer, self._eval_batch_size(), fsdp_requested())
+        self.task_eval = TaskEvaluation.build(config, self.tokenizer, self._eval_batch_size(), fsdp_requested(),
+                                              self.preprocess.get("formats"), self.inputs.vision)
         loader_batch = self.method.loader_batch_size(config.per_device_train_batch_size)
         loader = train_loader(config, train_data, self.collate, self.packing, loader_batch)
         self.method.set_up(run_context(accelerator, self.tokenizer, config))

@@ -17,6 +17,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("HF_HOME", str(Path(__file__).resolve().parent.parent / ".pytest_hf_home"))
+# `pytest -n 2` runs two tests at once, most of them launching processes of their own: torch's default of one thread
+# per core in every process oversubscribed the 2 cores, and OpenMP's spinning threads wasted about a third of the CPU
+# (two agent demos side by side: 165 s, 110 s with one thread each). Set before torch is imported, here and in every
+# process the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from praisonai_accel.demo.text import demo_config, demo_records, make_tiny_model, write_jsonl  # noqa: E402
 

@@ -13,10 +13,11 @@ bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's Reward
 RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step. Gradient
 checkpointing (non-reentrant) is on for both sides by default, as RewardConfig has it (--checkpointing).
 
-Accuracy (--accuracy): the reward demo's task (commands/demo_reward.py: the DPO demo's pairs, commas chosen over
-spaces) on the same base (the tiny demo Llama), data, LoRA (r16, alpha 32), batch, learning rate and steps: ours
-through `praisonai-accel train` on one CPU process, TRL's RewardTrainer; held-out pairwise accuracy of each saved
-model, scored the same way (methods/reward.score_texts).
+Accuracy (--accuracy): the reward demo's task (commands/demo_reward.py: the names reversed, chosen, or left in the
+prompt's order, rejected: a fresh head ranks about half) on the same base (the SFT demo's model, trained first by
+`praisonai-accel demo`), data, LoRA (r16, alpha 32), batch, learning rate and steps: ours through
+`praisonai-accel train` on one CPU process, TRL's RewardTrainer; held-out pairwise accuracy of each saved model,
+scored the same way (methods/reward.score_texts).
 """
 
 from __future__ import annotations
@@ -183,21 +184,21 @@ def accuracy(args) -> None:
 
     from praisonai_accel.commands.demo_reward import (HELD_OUT_PAIRS, SEED, TRAIN_PAIRS, held_out_accuracy,
                                                       reward_demo_config)
-    from praisonai_accel.demo.text import make_tiny_model, preference_records, task_records, write_jsonl
+    from praisonai_accel.demo.text import order_records, task_records, write_jsonl
 
     work = Path(args.work).resolve()
-    base = work / "tiny-llama"
-    if not (base / "config.json").exists():
-        make_tiny_model(base)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    base = work / "outputs" / "model"
+    if not (base / "config.json").exists():  # the SFT demo's model: it can read the prompt
+        subprocess.run([sys.executable, "-m", "praisonai_accel", "demo", "--dir", str(work)], check=True, env=env)
     train = task_records(TRAIN_PAIRS, seed=2)
-    held_out = preference_records(task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train}))
-    pairs = preference_records(train)
+    held_out = order_records(task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train}))
+    pairs = order_records(train)
     data = write_jsonl(pairs, work / "reward_data.jsonl")
     raw = reward_demo_config(base, data, work / "ours", args.steps)
     raw["lr_scheduler_type"] = "constant_with_warmup"  # the same schedule on both sides
     config = work / "reward_config.yaml"
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu"], check=True, env=env)
     ours = held_out_accuracy(work / "ours" / "lora_model", held_out)
     trainer = _trl_trainer(str(base), pairs, work / "trl", raw["max_steps"], raw["per_device_train_batch_size"],
@@ -207,9 +208,10 @@ def accuracy(args) -> None:
     trainer.save_model(str(work / "trl" / "final"))
     theirs = held_out_accuracy(work / "trl" / "final", held_out)
     before = held_out_accuracy(base, held_out)
-    summary = {"task": "reward demo: commas chosen over spaces", "held_out_pairs": len(held_out),
+    summary = {"task": "reward demo: the names reversed chosen over the prompt's order",
+               "held_out_pairs": len(held_out),
                "steps": raw["max_steps"], "batch_pairs": raw["per_device_train_batch_size"],
-               "learning_rate": raw["learning_rate"], "lora_r": raw["lora_r"], "base": "tiny demo Llama",
+               "learning_rate": raw["learning_rate"], "lora_r": raw["lora_r"], "base": "the SFT demo's model",
                "accuracy_before": before, "accuracy_ours": ours, "accuracy_trl": theirs,
                "ours_minus_trl": ours - theirs}
     (work / "reward_accuracy.json").write_text(json.dumps(summary, indent=2))
@@ -221,7 +223,7 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=None, help="default 5 (speed), the demo's 30 (--accuracy)")
+    parser.add_argument("--steps", type=int, default=None, help="default 5 (speed), the demo's 80 (--accuracy)")
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--layers", type=int, default=4)

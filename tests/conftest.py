@@ -196,10 +196,14 @@ def make_architecture(directory: Path, kind: str) -> Path:
 
 # The modules with the most real training runs, slowest first. `pytest -n 2 --dist loadfile` hands whole modules
 # to the two workers in collection order; starting with the longest ones lets both workers finish together.
-SLOWEST_MODULES = ["test_preference_runs.py", "test_multinode.py", "test_sequence_parallel_runs.py", "test_gguf.py", "test_reward_runs.py", "test_serve.py", "test_eval.py", "test_checkpoint.py", "test_training.py", "test_run_failures.py", "test_publish.py",
-                   "test_fsdp.py", "test_security.py", "test_user_experience.py", "test_features.py",
-                   "test_vision_runs.py", "test_qlora.py", "test_launch.py", "test_vision_demo.py",
-                   "test_vision_publish.py", "test_eval_training.py", "test_eval_endpoint.py", "test_eval_rewards.py"]
+SLOWEST_MODULES = ["test_grpo_tools.py", "test_gguf.py", "test_checkpoint.py", "test_grpo_runs.py", "test_reward_runs.py",
+                   "test_preference_runs.py", "test_training.py", "test_multinode.py",
+                   "test_sequence_parallel_runs.py", "test_fsdp.py", "test_run_failures.py",
+                   "test_user_experience.py", "test_features.py", "test_serve.py", "test_launch.py", "test_qlora.py",
+                   "test_publish.py", "test_eval.py", "test_data_rows.py", "test_vision_runs.py", "test_security.py",
+                   "test_eval_training.py", "test_run_safety.py", "test_vision_demo.py", "test_method_registry.py",
+                   "test_preference_ddp.py", "test_grpo.py", "test_vision_publish.py", "test_eval_endpoint.py",
+                   "test_eval_rewards.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -214,9 +214,15 @@ def test_demo_reward_trains_a_reward_model_and_shows_held_out_accuracy(tmp_path,
     result = cli("demo", "--method", "reward", "--dir", str(tmp_path), "--steps", "12")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training it first" not in result.stderr
-    line = next(line for line in result.stdout.splitlines() if line.startswith("held-out reward accuracy"))
+    shown = result.stdout.splitlines()
+    chosen, rejected = (next(x.split(":", 1)[1].split() for x in shown if x.strip().startswith(side))
+                        for side in ("chosen:", "rejected:"))
+    assert chosen == rejected[::-1] and chosen != rejected  # the same names, reversed or in the prompt's order
+    line = next(line for line in shown if line.startswith("held-out reward accuracy"))
     before, after = (int(word.rstrip("%")) for word in line.split() if word.endswith("%"))
-    assert after >= 90 and 0 <= before <= 100, line  # the tiny random base's fresh head may already rank them
+    # a fresh head ranks about half; learning to read the prompt takes the SFT demo's model and more steps (the demo's
+    # numbers are in docs/reward_models.md; accuracy rising is tested in process, tests/test_reward.py)
+    assert 25 <= before <= 75 and "after 12 steps on 2 processes" in line, line
     assert (tmp_path / "reward_outputs" / "lora_model" / "adapter_config.json").is_file()
 
 

@@ -13,12 +13,13 @@ def demo_command(
     directory: Path = typer.Option(Path("praisonai-accel-demo"), "--dir", help="where model, data and outputs go"),
     processes: int = typer.Option(2, "--num-processes", min=1, help="CPU processes (DDP over gloo)"),
     steps: int | None = typer.Option(None, "--steps", min=1,
-                                     help="optimizer steps (250 for sft, 30 for dpo and reward, 150 for grpo, 40 for agent, "
-                                          "120 for --vision)"),
+                                     help="optimizer steps (250 for sft, 30 for dpo, 80 for reward, 150 for grpo and "
+                                          "agent, 120 for --vision)"),
     method: str = typer.Option("sft", "--method", help="sft; dpo: teach the SFT demo's model a preference; grpo: "
                                                        "teach it, from a reward, to reverse four names; reward: "
-                                                       "train a reward model on the DPO demo's pairs; agent: "
-                                                       "teach a model to use a tool, from a reward"),
+                                                       "train a reward model to tell the right answer from the "
+                                                       "prompt's order; agent: teach a model to use a tool, from a "
+                                                       "reward"),
     vision: bool = typer.Option(False, "--vision",
                                 help="a tiny vision-language model learns the colour of drawn shapes"),
 ) -> None:

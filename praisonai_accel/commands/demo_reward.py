@@ -1,9 +1,9 @@
-"""praisonai-accel demo --method reward: a reward model learns, from preference pairs, which of two valid answers is
-preferred.
+"""praisonai-accel demo --method reward: a reward model learns, from preference pairs, which of two answers is right.
 
-The pairs are the DPO demo's (the names reversed and joined by commas, chosen, or by spaces, rejected); the reward
-model is the SFT demo's model with a one-label score head, trained with LoRA (the head in full). Held-out pairwise
-accuracy (reward of chosen > reward of rejected) is shown before (a fresh head) and after.
+The pairs hold the same names in the same format: reversed (chosen, the task's answer) or left in the prompt's order
+(rejected), so only a model that reads the prompt can rank them, and a fresh head ranks about half. The reward model
+is the SFT demo's model with a one-label score head, trained with LoRA (the head in full). Held-out pairwise accuracy
+(reward of chosen > reward of rejected) is shown before (a fresh head) and after.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-TRAIN_PAIRS, HELD_OUT_PAIRS, STEPS, SEED = 512, 100, 30, 3407
+TRAIN_PAIRS, HELD_OUT_PAIRS, STEPS, SEED = 512, 100, 80, 3407
 
 
 def reward_demo_config(base_model: Path, data: Path, output: Path, steps: int | None = None) -> dict:
@@ -26,13 +26,13 @@ def reward_demo_config(base_model: Path, data: Path, output: Path, steps: int | 
 
 
 def reward_demo(directory: Path, processes: int, steps: int | None, train_sft) -> None:
-    from ..demo.text import preference_records, task_records, write_jsonl
+    from ..demo.text import order_records, task_records, write_jsonl
     from ._demo import launch_demo, sft_demo_model
 
     base = sft_demo_model(directory, train_sft)
     train = task_records(TRAIN_PAIRS, seed=2)
-    held_out = preference_records(task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train}))
-    data = write_jsonl(preference_records(train), directory / "reward_data.jsonl")
+    held_out = order_records(task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train}))
+    data = write_jsonl(order_records(train), directory / "reward_data.jsonl")
     output = (directory / "reward_outputs").resolve()
     raw = reward_demo_config(base, data, output, steps)
     before = held_out_accuracy(base, held_out)

@@ -202,6 +202,14 @@ def preference_records(records: list[dict]) -> list[dict]:
              "rejected": [{"role": "assistant", "content": r["output"]}]} for r in records]
 
 
+def order_records(records: list[dict]) -> list[dict]:
+    """Pairs for the reward-model demo that only reading the prompt can rank: the names reversed (chosen) or left in
+    the prompt's order (rejected). Both hold the same words in the same format, so a fresh score head ranks about half
+    of them right; inputs that read the same reversed are left out. TRL's conversational prompt / chosen / rejected."""
+    return [{"prompt": demo_prompt(r), "chosen": [{"role": "assistant", "content": r["output"]}],
+             "rejected": [{"role": "assistant", "content": r["input"]}]} for r in records if r["output"] != r["input"]]
+
+
 def completion_logps(model, tokenizer, prompt: list[dict], completions: list[str]) -> list[float]:
     """The summed log-probability of each completion's tokens after the chat-templated prompt, its end of turn
     included (as DPO trains it: an answer that stops early is a different answer, not a prefix of the longer one)."""

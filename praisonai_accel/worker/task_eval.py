@@ -14,6 +14,7 @@ from ..evaluate.tasks import build_tasks, scores
 
 log = logging.getLogger("praisonai_accel")
 
+
 class TaskEvaluation:
     def __init__(self, config: TrainConfig, manager, tokenizer, batch_size: int, apply_chat_template: bool):
         self.config = config

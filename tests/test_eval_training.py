@@ -164,6 +164,33 @@ def test_greater_is_better_defaults_to_transformers_rule():
     assert parse_config({**base, "eval_tasks": ["t"], "metric_for_best_model": "eval_t/acc"}).greater_is_better is True
 
 
+def test_the_chat_template_is_evals_default_and_the_key_overrides_it(red_run, tiny_model):
+    """eval_tasks decide as `eval` of the run does (evaluate/targets.template_default); eval_apply_chat_template
+    overrides that either way; applying it without a template is one line."""
+    from transformers import AutoTokenizer
+
+    from praisonai_accel.config import ConfigError, parse_config
+    from praisonai_accel.worker.task_eval import TaskEvaluation
+
+    out, _ = red_run
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base = {"model_name": "m", "dataset": [{"name": "d.jsonl"}], "eval_tasks": ["likes_red"],
+            "eval_include_path": str(out.parent / "tasks")}
+
+    def applied(formats, vision=False, tokenizer=tokenizer, **keys):
+        evaluation = TaskEvaluation.build(parse_config({**base, **keys}), tokenizer, 4, False, formats, vision)
+        return evaluation.apply_chat_template
+
+    assert applied({"d.jsonl": "alpaca"}) and applied({"d.jsonl": "text"}, vision=True)
+    assert not applied({"d.jsonl": "text"}) and not applied(None)
+    assert not applied({"d.jsonl": "alpaca"}, eval_apply_chat_template=False)
+    assert applied({"d.jsonl": "text"}, eval_apply_chat_template=True)
+    plain = AutoTokenizer.from_pretrained(tiny_model)
+    plain.chat_template = None
+    with pytest.raises(ConfigError, match="the tokenizer has no chat template"):
+        applied({"d.jsonl": "text"}, tokenizer=plain, eval_apply_chat_template=True)
+
+
 @pytest.mark.parametrize("overrides,line", [
     ({"eval_tasks": ["no_such_task_xyz"]}, "eval_tasks: lm-eval knows no task 'no_such_task_xyz'"),
     ({"eval_tasks": ["likes_red"], "eval_include_path": "missing-dir"}, "eval_include_path missing-dir: no such "

@@ -2,7 +2,7 @@
 accuracy on the demo task.
 
     python bench/reward.py --work DIR [--pairs 8 --batch 2 --steps 5 --length 512 --vocab 128256 --layers 4]
-    python bench/reward.py --work DIR --accuracy [--steps 30]
+    python bench/reward.py --work DIR --accuracy [--steps 80 --seeds 1 --held-out 100]
 
 Speed (default): bench/run.py's realistic model (the tiny Llama's layers at hidden 512, a 128k-token vocabulary)
 loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs whose rows take 60% to 100% of
@@ -182,8 +182,7 @@ def speed(args) -> None:
 def accuracy(args) -> None:
     import yaml
 
-    from praisonai_accel.commands.demo_reward import (HELD_OUT_PAIRS, SEED, TRAIN_PAIRS, held_out_accuracy,
-                                                      reward_demo_config)
+    from praisonai_accel.commands.demo_reward import SEED, TRAIN_PAIRS, held_out_accuracy, reward_demo_config
     from praisonai_accel.demo.text import order_records, task_records, write_jsonl
 
     work = Path(args.work).resolve()
@@ -192,28 +191,32 @@ def accuracy(args) -> None:
     if not (base / "config.json").exists():  # the SFT demo's model: it can read the prompt
         subprocess.run([sys.executable, "-m", "praisonai_accel", "demo", "--dir", str(work)], check=True, env=env)
     train = task_records(TRAIN_PAIRS, seed=2)
-    held_out = order_records(task_records(HELD_OUT_PAIRS, seed=3, exclude={r["input"] for r in train}))
+    held_out = order_records(task_records(args.held_out, seed=3, exclude={r["input"] for r in train}))
     pairs = order_records(train)
     data = write_jsonl(pairs, work / "reward_data.jsonl")
-    raw = reward_demo_config(base, data, work / "ours", args.steps)
-    raw["lr_scheduler_type"] = "constant_with_warmup"  # the same schedule on both sides
-    config = work / "reward_config.yaml"
-    config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    subprocess.run([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu"], check=True, env=env)
-    ours = held_out_accuracy(work / "ours" / "lora_model", held_out)
-    trainer = _trl_trainer(str(base), pairs, work / "trl", raw["max_steps"], raw["per_device_train_batch_size"],
-                           raw["learning_rate"], raw["max_seq_length"], False, seed=SEED,
-                           warmup_steps=raw["warmup_steps"], scheduler="constant_with_warmup")
-    trainer.train()
-    trainer.save_model(str(work / "trl" / "final"))
-    theirs = held_out_accuracy(work / "trl" / "final", held_out)
-    before = held_out_accuracy(base, held_out)
+    runs = []
+    for seed in range(SEED, SEED + args.seeds):  # the seed of the head's init, the data order and LoRA's init
+        raw = reward_demo_config(base, data, work / f"ours-{seed}", args.steps)
+        raw.update(seed=seed, lr_scheduler_type="constant_with_warmup")  # the same schedule on both sides
+        config = work / f"reward_config-{seed}.yaml"
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+        subprocess.run([sys.executable, "-m", "praisonai_accel", "train", str(config), "--cpu"], check=True, env=env)
+        ours = held_out_accuracy(work / f"ours-{seed}" / "lora_model", held_out)
+        trainer = _trl_trainer(str(base), pairs, work / f"trl-{seed}", raw["max_steps"],
+                               raw["per_device_train_batch_size"], raw["learning_rate"], raw["max_seq_length"], False,
+                               seed=seed, warmup_steps=raw["warmup_steps"], scheduler="constant_with_warmup")
+        trainer.train()
+        trainer.save_model(str(work / f"trl-{seed}" / "final"))
+        theirs = held_out_accuracy(work / f"trl-{seed}" / "final", held_out)
+        runs.append({"seed": seed, "accuracy_ours": ours, "accuracy_trl": theirs})
+    mean = lambda key: statistics.mean(run[key] for run in runs)
     summary = {"task": "reward demo: the names reversed chosen over the prompt's order",
-               "held_out_pairs": len(held_out),
-               "steps": raw["max_steps"], "batch_pairs": raw["per_device_train_batch_size"],
-               "learning_rate": raw["learning_rate"], "lora_r": raw["lora_r"], "base": "the SFT demo's model",
-               "accuracy_before": before, "accuracy_ours": ours, "accuracy_trl": theirs,
-               "ours_minus_trl": ours - theirs}
+               "held_out_pairs": len(held_out), "steps": raw["max_steps"],
+               "batch_pairs": raw["per_device_train_batch_size"], "learning_rate": raw["learning_rate"],
+               "lora_r": raw["lora_r"], "base": "the SFT demo's model",
+               "accuracy_before": held_out_accuracy(base, held_out), "runs": runs,
+               "mean_accuracy_ours": mean("accuracy_ours"), "mean_accuracy_trl": mean("accuracy_trl"),
+               "ours_minus_trl": mean("accuracy_ours") - mean("accuracy_trl")}
     (work / "reward_accuracy.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 
@@ -230,6 +233,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, bf16 autocast; memory = peak GPU allocated")
     parser.add_argument("--accuracy", action="store_true", help="held-out accuracy on the demo task instead")
+    parser.add_argument("--seeds", type=int, default=1, help="--accuracy: train each side once per seed")
+    parser.add_argument("--held-out", type=int, default=100, help="--accuracy: held-out inputs (the demo's 100)")
     parser.add_argument("--checkpointing", choices=["on", "off", "trl-default"], default="on",
                         help="gradient checkpointing on both sides (on, as RewardConfig defaults), off on both, or "
                              "trl-default: TRL's default (on) against ours without (how the first record was taken)")

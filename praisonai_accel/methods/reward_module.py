@@ -4,6 +4,7 @@ the ranks like the policy and its reference, its scoring in lockstep)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,7 +105,10 @@ def _load_scorer(path: Path, device, dtype):
         from peft import PeftModel
 
         base = _read_json(path / "adapter_config.json")["base_model_name_or_path"]
-        model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, **kwargs), str(path))
+        base_model = AutoModelForSequenceClassification.from_pretrained(base, **kwargs)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(base_model, str(path))
     else:
         model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(path))

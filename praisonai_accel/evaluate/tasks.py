@@ -59,8 +59,8 @@ def check_include_path(include_path: Path | None, what: str = "--include-path") 
 
 
 def task_manager(include_path: Path | None, what: str = "--include-path", names: list[str] | None = None):
-    """lm-eval's TaskManager; without its ~14,000 built-in task YAMLs (indexed in seconds, in every rank) where
-    every named task is one of the include path's own."""
+    """(lm-eval's TaskManager, whether it left lm-eval's built-in tasks out). It leaves them out (their ~14,000
+    YAMLs take seconds to index, in every rank) where every one of `names` is the include path's own."""
     import_lm_eval()
     check_include_path(include_path, what)
     from lm_eval.tasks import TaskManager
@@ -68,9 +68,20 @@ def task_manager(include_path: Path | None, what: str = "--include-path", names:
     if include_path is not None and names:
         local = TaskManager(include_path=str(include_path), include_defaults=False)
         if all(name in local.all_tasks for name in names):
-            local._local_only = True
-            return local
-    return TaskManager(include_path=str(include_path) if include_path else None)
+            return local, True
+    return TaskManager(include_path=str(include_path) if include_path else None), False
+
+
+def _load(manager, local_only: bool, names: list[str], include_path: Path | None, what: str):
+    """(the manager, lm-eval's task dict); a local index that cannot load them (a local group of built-in tasks)
+    gives way to the whole one."""
+    try:
+        return manager, manager.load(names)
+    except Exception:
+        if not local_only:
+            raise
+    manager, _ = task_manager(include_path, what)
+    return manager, manager.load(names)
 
 
 def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, str] = ("--tasks", "--include-path"),
@@ -82,7 +93,7 @@ def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, st
 
     import datasets
 
-    manager = task_manager(include_path, keys[1], names)
+    manager, local_only = task_manager(include_path, keys[1], names)
     known = set(manager.all_tasks)
     for name in names:
         if name not in known and not manager.match_tasks([name]):
@@ -92,14 +103,7 @@ def build_tasks(names: list[str], include_path: Path | None, keys: tuple[str, st
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a split of a few local rows: its bar would stand above a one-line error
     try:
-        try:
-            task_dict = manager.load(names)
-        except Exception:
-            if getattr(manager, "_local_only", False):  # a local group of built-in tasks: index them all
-                manager = task_manager(include_path, keys[1])
-                task_dict = manager.load(names)
-            else:
-                raise
+        manager, task_dict = _load(manager, local_only, names, include_path, keys[1])
     except Exception as exc:  # the Hub unreachable (offline), a data file missing, a template that does not render
         raise ConfigError(f"{keys[0]} {','.join(names)}: cannot build the task: {_why(exc)}") from None
     finally:

@@ -33,8 +33,8 @@ def packing_for(config: TrainConfig, backend, warn: bool = True) -> bool:
 def load_training_data(accelerator, config: TrainConfig, tokenizer, cache_shared: bool, method_data):
     """(train set, eval set or None, {"seconds", "cached", "formats": each dataset's}). One rank tokenizes (rank 0,
     or each node's first where the cache is not on shared storage) while the others wait through the file system: a
-    collective would time out after ddp_timeout on a large dataset. `praisonai-accel train` tokenizes in the launcher while the workers
-    start, and every rank waits for it."""
+    collective would time out after ddp_timeout on a large dataset. `praisonai-accel train` tokenizes in the
+    launcher while the workers start, and every rank waits for it."""
     output_dir = config.output_path()
     started = time.perf_counter()
     builds = accelerator.is_main_process if cache_shared else accelerator.is_local_main_process

@@ -10,7 +10,8 @@ loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs w
 full (modules_to_save), AdamW at the same learning rate, batch --batch pairs, fp32 on CPU, each in a fresh process
 (peak RSS is that process's ru_maxrss, step time the median of the steps after the first two). --gpu: one CUDA GPU,
 bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's RewardMethod (encode, collate) and
-RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step. Gradient
+RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step; "ours-unshared"
+the same with prefix_sharing off (chosen and rejected as rows of their own, as TRL has them). Gradient
 checkpointing (non-reentrant) is on for both sides by default, as RewardConfig has it (--checkpointing).
 
 Accuracy (--accuracy): the reward demo's task (commands/demo_reward.py: the names reversed, chosen, or left in the
@@ -67,16 +68,18 @@ def run_ours(args) -> dict:
     pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     examples = [method.encode(p, "paired", tokenizer, config) for p in pairs]
     module = RewardLoss(_classifier(args.model, tokenizer, LORA_TARGETS, args.gpu, args.checkpointing == "on"),
-                        None).train()
+                        None, prefix_sharing=args.child == "ours").train()
     device = "cuda" if args.gpu else "cpu"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
-    times, losses = [], []
+    times, losses, positions = [], [], []
     for step in range(args.steps):
         batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
         _sync(args.gpu)
         started = time.perf_counter()
         data = {k: v.to(device) for k, v in method.collate(batch, tokenizer.pad_token_id).items()}
+        shared = module.shared_rows(data["input_ids"], data["attention_mask"])
+        positions.append((data["input_ids"] if shared is None else shared.input_ids).numel())
         with autocast:
             loss_sum, _ = module(**data)
         (loss_sum / method.units(data)).backward()
@@ -86,7 +89,8 @@ def run_ours(args) -> dict:
         times.append(time.perf_counter() - started)
         losses.append(loss_sum.item() / method.units(data))
     tokens = sum(len(e["chosen_input_ids"]) + len(e["rejected_input_ids"]) for e in examples) / len(examples)
-    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu), "tokens_per_pair": tokens}
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu), "tokens_per_pair": tokens,
+            "positions_per_step": statistics.mean(positions), "prefix_sharing": module.prefix_sharing}
 
 
 def _trl_trainer(model_path: str, pairs: list[dict], out: Path, steps: int, batch: int, lr: float, length: int,
@@ -150,7 +154,7 @@ def speed(args) -> None:
     results, env = {}, {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not args.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("ours", "trl"):
+    for name in ("ours", "ours-unshared", "trl"):
         command = [sys.executable, __file__, "--child", name, "--model", str(model), "--data", str(data), "--out",
                    str(work), "--work", str(work), "--batch", str(args.batch), "--steps", str(args.steps),
                    "--length", str(args.length), "--lr", str(args.lr), "--checkpointing", args.checkpointing] + (
@@ -169,11 +173,15 @@ def speed(args) -> None:
                   "tokens_per_pair": results["ours"]["tokens_per_pair"]},
         "step_time_ratio": results["ours"]["median_step_seconds"] / results["trl"]["median_step_seconds"],
         "peak_rss_ratio": results["ours"]["peak_rss_mib"] / results["trl"]["peak_rss_mib"],
-        "ours": results["ours"], "trl": results["trl"],
+        "step_time_ratio_unshared": (results["ours-unshared"]["median_step_seconds"]
+                                     / results["trl"]["median_step_seconds"]),
+        "peak_rss_ratio_unshared": results["ours-unshared"]["peak_rss_mib"] / results["trl"]["peak_rss_mib"],
+        "ours": results["ours"], "ours-unshared": results["ours-unshared"], "trl": results["trl"],
     }
     (work / "reward_bench.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("shape", "step_time_ratio", "peak_rss_ratio")}, indent=2))
-    for name in ("ours", "trl"):
+    print(json.dumps({k: summary[k] for k in ("shape", "step_time_ratio", "peak_rss_ratio", "step_time_ratio_unshared",
+                                              "peak_rss_ratio_unshared")}, indent=2))
+    for name in ("ours", "ours-unshared", "trl"):
         r = results[name]
         print(f"{name}: median step {r['median_step_seconds']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
               f"losses {[round(x, 4) for x in r['losses']]}")
@@ -238,13 +246,13 @@ def main() -> None:
     parser.add_argument("--checkpointing", choices=["on", "off", "trl-default"], default="on",
                         help="gradient checkpointing on both sides (on, as RewardConfig defaults), off on both, or "
                              "trl-default: TRL's default (on) against ours without (how the first record was taken)")
-    parser.add_argument("--child", choices=["ours", "trl"])
+    parser.add_argument("--child", choices=["ours", "ours-unshared", "trl"])
     parser.add_argument("--model")
     parser.add_argument("--data")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.child:
-        result = run_ours(args) if args.child == "ours" else run_trl(args)
+        result = run_trl(args) if args.child == "trl" else run_ours(args)
         Path(args.out, f"{args.child}.json").write_text(json.dumps(result))
         return
     if args.accuracy:

@@ -1,7 +1,10 @@
 """Reward models (methods/reward.py), in process on the tiny model:
 
 - the loss and metrics equal TRL's own RewardTrainer.compute_loss on the same model and inputs (margin and
-  centring included), to 1e-6;
+  centring included), to 1e-6, with each pair's prompt computed once (shared-prefix rows);
+- shared-prefix rows give the rewards and LoRA gradients of the pairs' own padded rows (Llama, Qwen3-MoE, Mistral,
+  Qwen2; sdpa and eager; pad and eos the same token), and are turned off, with the reason in one line, where they
+  could not (flash attention, a sliding window, no pad id, a probe pair whose rewards differ, prefix_sharing: false);
 - one batch of 2B gives the gradients of two batches of B accumulated (the recipe's summed-loss normalisation);
 - LoRA trains the score head in full (peft's modules_to_save), and accuracy rises on the training pairs;
 - a reward model as a GRPO reward (reward_funcs: model:PATH) scores each completion as the model's own forward on
@@ -105,6 +108,7 @@ def test_loss_and_metrics_equal_trls_reward_trainer(tiny, margins, coefficient):
     batch = method.collate(examples, tokenizer.pad_token_id)
     assert ("margin" in batch) == margins
     module = RewardLoss(model, coefficient)
+    assert module.shared_rows(batch["input_ids"], batch["attention_mask"]) is not None  # the prompts computed once
     loss_sum, sums = method.forward(module, batch)
     units = method.units(batch)
     ours = loss_sum / units
@@ -336,7 +340,7 @@ def _sharded_worker(rank: int, world: int, port: int, model_dir: str, out: str) 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from praisonai_accel.methods.reward_module import ModelReward, held_parameters
+    from praisonai_accel.methods.reward_scoring import ModelReward, held_parameters
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_FSDP="true")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a rank out of step
@@ -381,3 +385,134 @@ def test_under_fsdp2_the_reward_model_is_sharded_and_ranks_score_in_lockstep(tin
                 with torch.no_grad():
                     expected.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
             assert r["rewards"][call] == pytest.approx(expected, abs=1e-5), (rank, call)
+
+
+# ---------------------------------------------------------------- pairs sharing their prefix in one row
+
+def _random_classifier(kind: str, attention: str, pad_token_id: int = 0):
+    """A tiny random one-label classifier of a real architecture, in float32."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=pad_token_id, num_labels=1)
+    config = {"llama": lambda: tf.LlamaConfig(**common),
+              "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                                     num_experts_per_tok=2),
+              "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
+              "qwen2": lambda: tf.Qwen2Config(**common, sliding_window=64, use_sliding_window=False)}[kind]()
+    config._attn_implementation = attention
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attention, dtype=torch.float32)
+
+
+def _pair_batch(pad_token_id: int, ends_with: int | None = None):
+    """Pairs of every kind: a long shared prompt, chosen a prefix of rejected and the other way round, the same
+    completion, nothing shared; right-padded, chosen rows then rejected, as collate_pairs gives them."""
+    g = torch.Generator().manual_seed(1)
+
+    def tokens(n):
+        return [int(t) for t in torch.randint(3, 96, (n,), generator=g)]
+
+    prompt, a, b = tokens(9), tokens(5), tokens(3)
+    pairs = [(prompt + a, prompt + b), (prompt + a[:2], prompt + a), (prompt + a, prompt[:4]), (prompt + b, prompt + b),
+             (tokens(4), tokens(7))]
+    if ends_with is not None:  # rows ending in eos where eos is also the pad token: the reward is read before it
+        pairs = [(c + [ends_with], r + [ends_with]) for c, r in pairs]
+    rows = [c for c, _ in pairs] + [r for _, r in pairs]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind,attention", [("llama", "sdpa"), ("llama", "eager"), ("qwen3_moe", "sdpa"),
+                                            ("mistral", "sdpa"), ("qwen2", "eager")])
+def test_pairs_with_their_prefix_shared_give_the_rewards_and_gradients_of_their_own_rows(kind, attention):
+    from peft import LoraConfig, get_peft_model
+
+    from praisonai_accel.methods.reward_module import SharedPrefixRows
+    from praisonai_accel.methods.reward_scoring import sequence_rewards
+
+    for pad, eos in ((0, None), (2, 2)):
+        model = get_peft_model(_random_classifier(kind, attention, pad), LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="SEQ_CLS"))
+        with torch.no_grad():  # LoRA's B away from zero, so the adapter's gradients flow through the attention
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        module = RewardLoss(model, None)
+        assert module.prefix_problem is None
+        ids, mask = _pair_batch(pad, eos)
+        shared = SharedPrefixRows(ids, mask, pad)
+        assert shared.input_ids.numel() < ids.numel()  # fewer positions than the padded rows
+        results = []
+        for rewards_of in (lambda: sequence_rewards(model, ids, mask), lambda: module._shared_rewards(shared)):
+            model.zero_grad()
+            rewards = rewards_of()
+            (rewards * torch.linspace(-1, 1, rewards.numel())).sum().backward()
+            results.append((rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.requires_grad}))
+        (own, own_grads), (with_shared, shared_grads) = results
+        assert torch.allclose(own, with_shared, atol=1e-5), (own, with_shared)
+        assert own.std() > 1e-3  # rewards that differ between rows, so a misplaced reward would show
+        assert max((own_grads[k] - shared_grads[k]).abs().max().item() for k in own_grads) <= 1e-5
+        assert all(g.abs().sum() > 0 for g in shared_grads.values())
+
+
+def test_shared_rows_lay_each_pair_out_once_and_rejected_never_sees_chosens_rest():
+    from praisonai_accel.methods.reward_module import SharedPrefixRows
+
+    ids = torch.tensor([[5, 6, 7, 8], [4, 3, 0, 0], [5, 6, 9, 0], [4, 3, 2, 0]])  # chosen rows, then rejected
+    mask = (ids != 0).long()
+    shared = SharedPrefixRows(ids, mask, 0)
+    assert shared.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 0, 0]]
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 0, 0]]
+    assert shared.reward_index.tolist() == [3, 5 + 1, 4, 5 + 2]  # chosen's last tokens, then rejected's
+    sees = shared.sees[0, 0]
+    assert sees[4].tolist() == [True, True, False, False, True]  # rejected's 9: the prefix and itself
+    assert sees[3].tolist() == [True, True, True, True, False]  # chosen's 8: never what comes after it
+    assert shared.sees[1, 0, 4].tolist() == [False, False, False, False, True]  # padding sees itself only
+
+
+def test_prefix_sharing_is_named_off_where_it_could_not_give_the_same_rewards(caplog):
+    import logging
+
+    from praisonai_accel.methods.reward_module import settle_prefix_sharing, shared_prefix_problem
+
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name="NO"), device="cpu")
+
+    def tokenizer(text, add_special_tokens):  # the probe's text as ids of the 96-token models here
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+    assert "sliding-window" in shared_prefix_problem(_random_classifier("mistral", "sdpa").__class__(
+        __import__("transformers").MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=1, num_attention_heads=4, num_labels=1,
+                                                 pad_token_id=0, sliding_window=16)))
+    model = _random_classifier("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    assert shared_prefix_problem(model) == "attention flash_attention_2 takes no 4D mask (only sdpa and eager do)"
+    assert shared_prefix_problem(_random_classifier("llama", "sdpa", pad_token_id=None)) == \
+        "the model has no pad token id"
+    with caplog.at_level(logging.INFO, logger="praisonai_accel"):
+        off = settle_prefix_sharing(RewardLoss(_random_classifier("llama", "sdpa"), None, False), accelerator,
+                                    tokenizer)
+    assert not off.prefix_sharing and "as rows of their own (prefix_sharing: false)" in caplog.text
+    # a decoder that drops the position ids gives other rewards with the prefix shared: the probe turns it off
+    model = _random_classifier("llama", "sdpa")
+    forward = model.model.forward
+    model.model.forward = lambda *a, position_ids=None, **k: forward(*a, **k)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="praisonai_accel"):
+        probed = settle_prefix_sharing(RewardLoss(model, None), accelerator, tokenizer)
+    assert not probed.prefix_sharing and "does not give a pair's rewards with its prefix shared" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="praisonai_accel"):
+        on = settle_prefix_sharing(RewardLoss(_random_classifier("llama", "sdpa"), None), accelerator, tokenizer)
+    assert on.prefix_sharing and "shared leading tokens computed once" in caplog.text
+    # a batch whose pairs share nothing costs more as one longer row each: it goes through as padded rows
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert on.shared_rows(ids, torch.ones_like(ids)) is None
+    ids, mask = _pair_batch(0)
+    assert on.shared_rows(ids, mask) is not None

@@ -54,7 +54,7 @@ def held_out_accuracy(model_dir: Path, pairs: list[dict]) -> float:
     from transformers.utils import logging as hf_logging
 
     from ..methods.reward import reward_model_problem
-    from ..methods.reward_module import load_scorer, score_texts
+    from ..methods.reward_scoring import load_scorer, score_texts
 
     hf_logging.disable_progress_bar()
     if reward_model_problem(model_dir) is None:

@@ -47,7 +47,7 @@ def score_command(
     user and an assistant message, as conversational training rows are, unless --raw."""
     from ..models.inference import ModelDirError, resolve_model_dir
     from ..methods.reward import reward_model_problem
-    from ..methods.reward_module import load_scorer, score_texts
+    from ..methods.reward_scoring import load_scorer, score_texts
 
     prompt, completion = prompt or [], completion or []
     if file is not None:

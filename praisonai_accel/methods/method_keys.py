@@ -97,6 +97,10 @@ class RewardKeys(_Unpacked):
     center_rewards_coefficient: float | None = Field(default=None, ge=0, description=(
         "Adds this x (r_chosen + r_rejected)^2 to each pair's loss, so rewards centre on 0 (TRL's RewardTrainer key); "
         "default none."))
+    prefix_sharing: bool = Field(default=True, description=(
+        "Each pair's leading tokens (its prompt, at least) computed once for chosen and rejected, in one row with a "
+        "4D mask, in batches where that costs less than padded rows; the same rewards. sdpa or eager attention, no "
+        "sliding window; otherwise, or false, chosen and rejected are rows of their own, as in TRL."))
 
 
 def prompt_limit(config) -> int:

@@ -11,9 +11,10 @@ its mean over pairs is TRL's RewardTrainer.compute_loss. Metrics as TRL logs the
 `margin`, `mean_reward`, and the means of the chosen and rejected rewards.
 
 This module declares the method (its keys, metrics, checks; no torch at import: the config reads it before launch)
-and says whether a directory is a reward model (`reward_model_problem`); reward_module.py holds the loss module and
-what loading and using a trained reward model needs (`load_scorer`, `score_texts`, `ModelReward`), which the `score`
-command and GRPO's `model:PATH` rewards read.
+and says whether a directory is a reward model (`reward_model_problem`); reward_module.py holds the loss module (and
+the shared-prefix rows that compute each pair's prompt once), reward_scoring.py what loading and using a trained reward
+model needs (`load_scorer`, `score_texts`, `ModelReward`), which the `score` command and GRPO's `model:PATH` rewards
+read.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ from .method_keys import REWARD_METRICS as METRICS
 from .method_keys import RewardKeys
 from .preference import FILLER, PreferenceData, PreferenceMethod
 
-_TORCH_PARTS = ("RewardLoss", "reward_losses", "reward_metric_sums", "sequence_rewards", "load_scorer", "score_ids", "score_texts", "encode_for_reward", "ModelReward")
+_TORCH_PARTS = {"reward_module": ("RewardLoss", "reward_losses", "reward_metric_sums"),
+                "reward_scoring": ("sequence_rewards", "load_scorer", "score_ids", "score_texts", "encode_for_reward",
+                                   "ModelReward")}
 
 
 def __getattr__(name: str):
-    if name in _TORCH_PARTS:  # torch: imported when asked for, not when the config reads the keys
-        from . import reward_module
+    for module, names in _TORCH_PARTS.items():
+        if name in names:  # torch: imported when asked for, not when the config reads the keys
+            import importlib
 
-        return getattr(reward_module, name)
+            return getattr(importlib.import_module(f".{module}", __package__), name)
     raise AttributeError(name)
 
 
@@ -121,9 +125,10 @@ class RewardMethod(PreferenceMethod):
         return functools.partial(self.collate, pad_token_id=pad_token_id)
 
     def loss_module(self, causal_lm, *, accelerator, tokenizer, use_cuda: bool):
-        from .reward_module import RewardLoss
+        from .reward_module import RewardLoss, settle_prefix_sharing
 
-        return RewardLoss(causal_lm, self.config.center_rewards_coefficient)
+        module = RewardLoss(causal_lm, self.config.center_rewards_coefficient, self.config.prefix_sharing)
+        return settle_prefix_sharing(module, accelerator, tokenizer)
 
     def before_training(self, accelerator, module, dataset, collate, output_dir):
         return dataset

@@ -1,23 +1,14 @@
-"""The torch half of reward models (methods/reward.py declares the method): the loss module the recipe prepares, and
-loading and scoring a trained reward model for `score` and GRPO's `model:PATH` rewards (under FSDP2 sharded across
-the ranks like the policy and its reference, its scoring in lockstep)."""
+"""The torch half of training a reward model (methods/reward.py declares the method): the loss module the recipe
+prepares, and the shared-prefix rows that compute each pair's prompt once (prefix_sharing). Loading and scoring a
+trained reward model is reward_scoring.py's."""
 
 from __future__ import annotations
-
-import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..data.chat_masking import plan_masking
-from ..errors import ConfigError
-from ..logs import FILE_ONLY
 from ..models.unwrap import transformers_model
-from ..runtime.distributed import fsdp_requested
-from . import preference_data as pdata
-from .reward import _read_json, reward_model_problem
-
+from .reward_scoring import padded_rows, sequence_rewards
 
 
 def reward_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
@@ -39,22 +30,112 @@ def reward_metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str
             "rewards/rejected": rejected.sum()}
 
 
-def sequence_rewards(model, input_ids, attention_mask) -> torch.Tensor:
-    """One reward per row: the model's own forward (its head at the last non-pad token)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return logits.squeeze(-1).float()
+def reward_positions(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Where the classifier reads each row's reward: its rightmost token that is not the pad token (transformers'
+    GenericForSequenceClassification rule, so a row ending in eos when pad is eos is read before it)."""
+    columns = torch.arange(input_ids.size(1), device=input_ids.device)
+    return (columns * (input_ids != pad_token_id)).argmax(-1)
+
+
+class SharedPrefixRows:
+    """A batch of pairs (chosen rows, then rejected rows, right-padded) as one row per pair: the tokens chosen and
+    rejected share from the start (the prompt, at least) once, then the rest of chosen, then the rest of rejected.
+    Position ids restart the rejected rest where the prefix ends, and a 4D mask lets it see the prefix and itself but
+    not chosen's rest: every token sees exactly the tokens and positions it sees in its own row, so each reward is
+    the one the two rows give, with the prefix's tokens computed once instead of twice."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
+        chosen, rejected = input_ids.chunk(2)
+        chosen_mask, rejected_mask = attention_mask.bool().chunk(2)
+        pairs, width = chosen.shape
+        chosen_length, rejected_length = chosen_mask.sum(1), rejected_mask.sum(1)
+        same = (chosen == rejected) & chosen_mask & rejected_mask
+        prefix = same.long().cumprod(1).sum(1)
+        total = chosen_length + rejected_length - prefix
+        columns = torch.arange(int(total.max()), device=input_ids.device).expand(pairs, -1)
+        in_chosen = columns < chosen_length[:, None]
+        in_rejected = ~in_chosen & (columns < total[:, None])
+        # the rejected rest: column j holds rejected's token at prefix + (j - chosen_length)
+        rejected_column = prefix[:, None] + columns - chosen_length[:, None]
+        self.input_ids = torch.where(in_chosen, chosen.gather(1, columns.clamp(max=width - 1)), torch.where(
+            in_rejected, rejected.gather(1, rejected_column.clamp(0, width - 1)), pad_token_id))
+        self.position_ids = torch.where(in_chosen, columns, torch.where(in_rejected, rejected_column, 0))
+        # 0 the shared prefix, 1 chosen's rest, 2 rejected's rest, -1 padding
+        segment = torch.where(in_chosen, (columns >= prefix[:, None]).long(), torch.where(in_rejected, 2, -1))
+        query, key = segment[:, :, None], segment[:, None, :]
+        causal = columns[:, :, None] >= columns[:, None, :]
+        sees = causal & (query >= 0) & (key >= 0) & ((key == 0) | (key == query))
+        # a padding token sees itself: a query that sees nothing gives NaN, which the zero weights of the tokens
+        # that do not see it would still carry into every later layer
+        sees |= columns[:, :, None] == columns[:, None, :]
+        self.sees = sees[:, None]
+        # each reward where the classifier reads it in its own row, moved to where that token now is
+        chosen_at = reward_positions(chosen, pad_token_id)
+        rejected_at = reward_positions(rejected, pad_token_id)
+        rejected_at = torch.where(rejected_at < prefix, rejected_at, rejected_at - prefix + chosen_length)
+        row_start = torch.arange(pairs, device=input_ids.device) * columns.size(1)
+        self.reward_index = torch.cat([row_start + chosen_at, row_start + rejected_at])
+
+    def attention_mask(self, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """sdpa takes the boolean mask; eager adds it to its scores."""
+        if implementation == "sdpa":
+            return self.sees
+        blocked = torch.zeros(self.sees.shape, dtype=dtype, device=self.sees.device)
+        return blocked.masked_fill(~self.sees, torch.finfo(dtype).min)
+
+
+# the attention implementations that take a 4D mask and position ids as given
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+def shared_prefix_problem(classifier: nn.Module) -> str | None:
+    """Why pairs cannot share their prefix in one row with this classifier, or None."""
+    base = transformers_model(classifier)
+    config = base.config.get_text_config()
+    implementation = getattr(base.config, "_attn_implementation", None)
+    if implementation not in SHARED_PREFIX_ATTENTION:
+        return f"attention {implementation} takes no 4D mask (only {' and '.join(SHARED_PREFIX_ATTENTION)} do)"
+    if getattr(config, "pad_token_id", None) is None:
+        return "the model has no pad token id"
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+    if sliding:
+        return "its sliding-window layers do not apply their window to a mask given whole"
+    if not isinstance(getattr(base, "score", None), nn.Module) or not isinstance(
+            getattr(base, base.base_model_prefix, None), nn.Module):
+        return f"{type(base).__name__} has no score head over a decoder"
+    return None
+
+
+def layer_costs(config) -> tuple[float, float]:
+    """(multiply-adds per token in a layer's linear maps, per query-key pair in its attention): what decides whether
+    a batch is cheaper with its prefixes shared (rows longer, and attention quadratic in them) or not."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    experts = getattr(config, "num_experts_per_tok", None) or 1
+    intermediate = getattr(config, "moe_intermediate_size", None) if experts > 1 else None
+    intermediate = (intermediate or getattr(config, "intermediate_size", 0) or 4 * hidden) * experts
+    linear = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+    return float(linear or 12 * hidden * hidden), float(2 * heads * head_dim)
 
 
 class RewardLoss(nn.Module):
     """Chosen and rejected rows in one forward of the sequence classifier; (loss summed over pairs, metric sums).
-    The classifier is kept as `causal_lm`, the name checkpoints and the final save read."""
+    The classifier is kept as `causal_lm`, the name checkpoints and the final save read. With `prefix_sharing` (and
+    a classifier shared_prefix_problem finds nothing against), a batch goes through as SharedPrefixRows when that
+    costs less than its padded rows (layer_costs): the same rewards, the shared tokens computed once."""
 
     base_model_prefix = "decoder"
 
-    def __init__(self, classifier: nn.Module, center_rewards_coefficient: float | None):
+    def __init__(self, classifier: nn.Module, center_rewards_coefficient: float | None, prefix_sharing: bool = True):
         super().__init__()
         self.causal_lm = classifier
         self.center_rewards_coefficient = center_rewards_coefficient
+        self.prefix_problem = shared_prefix_problem(classifier) if prefix_sharing else "prefix_sharing: false"
+        self.prefix_sharing = self.prefix_problem is None
+        self._costs = layer_costs(self._base().config.get_text_config())
 
     def _base(self):
         return transformers_model(self.causal_lm)
@@ -74,190 +155,82 @@ class RewardLoss(nn.Module):
     def get_output_embeddings(self):
         return None  # a score head, no LM head
 
+    def _cost(self, rows: int, width: int) -> float:
+        linear, attention = self._costs
+        return rows * width * (linear + width * attention)
+
+    def shared_rows(self, input_ids, attention_mask) -> SharedPrefixRows | None:
+        """The batch's pairs as SharedPrefixRows where that costs at most 0.9 of the padded rows, else None."""
+        if not self.prefix_sharing or attention_mask is None:
+            return None
+        shared = SharedPrefixRows(input_ids, attention_mask, self._base().config.get_text_config().pad_token_id)
+        if self._cost(*shared.input_ids.shape) > 0.9 * self._cost(*input_ids.shape):
+            return None
+        return shared
+
+    def _shared_rewards(self, shared: SharedPrefixRows) -> torch.Tensor:
+        base = self._base()
+        device = shared.input_ids.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else next(p for p in base.parameters() if p.is_floating_point()).dtype)
+        mask = shared.attention_mask(base.config._attn_implementation, dtype)
+        hidden = self.decoder(input_ids=shared.input_ids, attention_mask=mask, position_ids=shared.position_ids,
+                              use_cache=False).last_hidden_state
+        return base.score(hidden.reshape(-1, hidden.size(-1))[shared.reward_index]).squeeze(-1).float()
+
     def forward(self, input_ids, attention_mask=None, margin=None, labels=None, **_):
-        rewards = sequence_rewards(self.causal_lm, input_ids, attention_mask)
+        shared = self.shared_rows(input_ids, attention_mask)
+        rewards = (sequence_rewards(self.causal_lm, input_ids, attention_mask) if shared is None
+                   else self._shared_rewards(shared))
         chosen, rejected = rewards.chunk(2)
         losses = reward_losses(chosen, rejected, margin, self.center_rewards_coefficient)
         return losses.sum(), reward_metric_sums(chosen, rejected)
 
 
-def load_scorer(path, device="cpu", dtype=None):
-    """(sequence classifier in eval mode, tokenizer) from a trained reward model: a full model, or a SEQ_CLS adapter
-    whose modules_to_save carry the head (loaded on its base)."""
-    from transformers.utils import logging as hf_logging
+def settle_prefix_sharing(module: RewardLoss, accelerator, tokenizer) -> RewardLoss:
+    """Shared-prefix rows where the classifier allows them and a probe gives the padded rows' rewards with them; one
+    line says which, and why not."""
+    from .base import log
+    from .sft import head_verified
 
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # the base's load report (no score head, an unused lm_head) is expected
-    hf_logging.disable_progress_bar()
-    try:
-        return _load_scorer(Path(path).expanduser(), device, dtype)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _load_scorer(path: Path, device, dtype):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    kwargs = {"num_labels": 1} | ({"dtype": dtype} if dtype is not None else {})
-    if (path / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        base = _read_json(path / "adapter_config.json")["base_model_name_or_path"]
-        base_model = AutoModelForSequenceClassification.from_pretrained(base, **kwargs)
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.simplefilter("ignore", FutureWarning)
-            model = PeftModel.from_pretrained(base_model, str(path))
+    if module.prefix_sharing:
+        probe = tokenizer("The quick brown fox jumps over the lazy dog. It was not amused.",
+                          add_special_tokens=False)["input_ids"]
+        if not head_verified(accelerator, lambda: verify_shared_prefix(module, probe, accelerator.device)):
+            module.prefix_sharing, module.prefix_problem = False, "a probe pair's rewards differed with it"
+            log.warning("warning: this model does not give a pair's rewards with its prefix shared in one row; "
+                        "chosen and rejected go through as rows of their own")
+    if module.prefix_sharing:
+        log.info("loss: Bradley-Terry; each pair's shared leading tokens computed once (prefix_sharing), in "
+                 "batches where that costs less")
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device).eval(), tokenizer
+        log.info("loss: Bradley-Terry; chosen and rejected as rows of their own (%s)", module.prefix_problem)
+    return module
 
 
-def encode_for_reward(tokenizer, prompt, completion, chat: bool | None = None) -> list[int]:
-    """The ids a reward model trained here reads for prompt + completion: the training encoding (preference_data).
-    Text is wrapped as a user and an assistant message when `chat` (default: the tokenizer has a chat template)."""
-    if chat is None:
-        chat = bool(getattr(tokenizer, "chat_template", None))
-    if chat and isinstance(completion, str):  # messages are always encoded through the template
-        completion = [{"role": "assistant", "content": completion}]
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    row = {"prompt": prompt, "chosen": completion, "rejected": completion}
-    prompt_part, completions, conversational = pdata.prompt_and_completions(row, "paired")
-    plan = None
-    if conversational:  # the template's masking plan, worked out once per tokenizer
-        held = _PLANS.get(id(tokenizer))
-        if held is None or held[0] is not tokenizer:
-            held = _PLANS[id(tokenizer)] = (tokenizer, plan_masking(tokenizer))
-        plan = held[1]
-    return pdata.encode_completion(tokenizer, plan, prompt_part, completions[0], conversational)[0]
+def verify_shared_prefix(module: RewardLoss, token_ids: list[int], device) -> bool:
+    """Do two pairs through SharedPrefixRows give the rewards of their padded rows? Checked in eval mode on ordinary
+    tokens, one pair's completions of different lengths."""
+    pad = module._base().config.get_text_config().pad_token_id
+    ids = [t for t in token_ids if t != pad][:16]
+    if len(ids) < 12:
+        return False
+    prompt, rest = ids[:6], ids[6:]
+    rows = [prompt + rest[:4], prompt[:3] + rest[:2], prompt + rest[2:6], prompt[:3] + rest[3:6]]
+    input_ids, attention_mask = padded_rows(rows, pad, device)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            expected = sequence_rewards(module.causal_lm, input_ids, attention_mask)
+            shared = module._shared_rewards(SharedPrefixRows(input_ids, attention_mask, pad))
+    except Exception as exc:  # an architecture whose decoder takes no 4D mask or position ids
+        from .base import log
 
-
-_PLANS: dict[int, tuple] = {}
-
-
-@torch.no_grad()
-def score_ids(model, rows: list[list[int]], pad_token_id: int, batch_size: int = 8,
-              lockstep: bool = False) -> list[float]:
-    """Rewards of token rows, batched (right padding, as in training). `lockstep` (a model sharded by FSDP2, whose
-    every forward is a collective): every rank runs as many forwards as the rank with the most batches; a rank with
-    fewer rows scores a one-token dummy batch and drops its rewards."""
-    device = next(model.parameters()).device
-    batches = -(-len(rows) // batch_size)
-    if lockstep:
-        batches = _most_across_ranks(batches, device)
-    out: list[float] = []
-    for start in range(0, batches * batch_size, batch_size):
-        chunk = rows[start:start + batch_size]
-        rewards = sequence_rewards(model, *_padded(chunk or [[pad_token_id]], pad_token_id, device))
-        if chunk:
-            out += rewards.tolist()
-    return out
-
-
-def _padded(chunk: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in chunk)
-    ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(chunk):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.as_tensor(r), 1
-    return ids.to(device), mask.to(device)
-
-
-def _most_across_ranks(count: int, device) -> int:
-    import torch.distributed as dist
-
-    held = torch.tensor([count], dtype=torch.long, device=device)
-    dist.all_reduce(held, op=dist.ReduceOp.MAX)
-    return int(held[0])
-
-
-def fsdp_ranks() -> int:
-    """The ranks a reward model is sharded across: every rank of the run under FSDP2, else 1 (a plain copy)."""
-    import torch.distributed as dist
-
-    if fsdp_requested() and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def shard_frozen(model: nn.Module) -> nn.Module:
-    """FSDP2 over every rank, as accelerate wraps the policy and its reference (TRANSFORMER_BASED_WRAP): each of the
-    model's _no_split_modules (its decoder layers) a unit, the rest (embeddings, norm, score head) the root's. Every
-    unit, the root too, gives its gathered weights back after each forward: nothing here is trained."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = set(getattr(transformers_model(model), "_no_split_modules", None) or ())
-    for module in list(model.modules())[1:]:
-        if type(module).__name__ in layers:
-            fully_shard(module, reshard_after_forward=True)
-    return fully_shard(model, reshard_after_forward=True)
-
-
-def held_parameters(model: nn.Module) -> tuple[int, int]:
-    """(parameters this rank holds, parameters of the model): its shards of DTensors, all of plain tensors."""
-    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    return held, sum(p.numel() for p in model.parameters())
-
-
-def score_texts(model, tokenizer, pairs: list[tuple], batch_size: int = 8, chat: bool | None = None,
-                lockstep: bool = False) -> list[float]:
-    """Rewards of (prompt, completion) pairs, each text or a list of messages."""
-    rows = [encode_for_reward(tokenizer, p, c, chat) for p, c in pairs]
-    return score_ids(model, rows, tokenizer.pad_token_id, batch_size, lockstep)
-
-
-class ModelReward:
-    """A trained reward model as a GRPO reward function (reward_funcs: "model:PATH"): loaded once, at its first call,
-    and called on each batch of completions under no_grad. On one process or under DDP a plain copy on this rank's
-    device; under FSDP2 sharded across the ranks (shard_frozen), so that each holds 1/N of it, and then every rank
-    runs the same number of forwards per call (score_ids' lockstep). Text prompts are scored as method: reward
-    trains on text (prompt, completion, eos), conversational ones through the chat template."""
-
-    def __init__(self, path: Path, batch_size: int = 16):
-        self.path, self.batch_size = Path(path), batch_size
-        self.__name__ = self.path.name
-        self._model = self._tokenizer = None
-        self.collective = False  # sharded: its forward is a collective, never to be called on one rank alone
-
-    @classmethod
-    def checked(cls, path: str, base_dir: Path | None, where: str) -> "ModelReward":
-        """ConfigError (one line) for a path that is not a reward model; a relative path is the config file's."""
-        resolved = Path(path).expanduser()
-        if not resolved.is_absolute() and base_dir is not None:
-            resolved = Path(base_dir) / resolved
-        problem = reward_model_problem(resolved)
-        if problem:
-            raise ConfigError(f"{where}: model:{path}: {problem}")
-        return cls(resolved)
-
-    def load(self, device=None):
-        if self._model is None:
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
-            ranks = fsdp_ranks()
-            # sharded: read into host memory; fully_shard moves it to the device a unit at a time, keeping this
-            # rank's shards
-            model, self._tokenizer = load_scorer(self.path, "cpu" if ranks > 1 else device, dtype)
-            model.requires_grad_(False)
-            if ranks > 1:
-                shard_frozen(model)
-                self.collective = True
-                held, total = held_parameters(model)
-                FILE_ONLY.info("reward model %s: sharded by FSDP2 across %d ranks; this rank holds %d of its %d "
-                               "parameters", self.__name__, ranks, held, total)
-            self._model = model
-        return self._model, self._tokenizer
-
-    def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        model, tokenizer = self.load()
-        rewards = score_texts(model, tokenizer, list(zip(prompts, completions)), self.batch_size, chat=False,
-                              lockstep=self.collective)
-        if self.collective:
-            model.reshard()  # older torches keep the root's weights gathered after its forward, whatever it was told
-        return rewards
+        log.info("prefix sharing: %s: %s", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    finally:
+        module.train(was_training)
+    scale = float(expected.abs().max().clamp(min=1e-3))
+    tolerance = 1e-4 if next(module.parameters()).dtype == torch.float32 else 5e-2
+    return bool((shared - expected).abs().max() <= tolerance * scale)

@@ -141,7 +141,7 @@ def load_reward_functions(config, base_dir: Path | None = None) -> list[RewardFu
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if module == REWARD_MODEL_PREFIX:  # a trained reward model (methods/reward.py), loaded at its first call
-            from .reward_module import ModelReward
+            from .reward_scoring import ModelReward
 
             func = ModelReward.checked(attribute, base_dir, f"reward_funcs[{index}]")
         elif module is None:

@@ -4,6 +4,8 @@ The preprocessing driver calls only these, so another method (preference pairs, 
 
 from __future__ import annotations
 
+import functools
+
 from ..config import DatasetSpec, TrainConfig
 from ..errors import first_line
 from ..data.chat_masking import MaskingPlan, plan_masking
@@ -21,7 +23,14 @@ class SFTData(MethodData):
 
     def __init__(self, tokenizer, config: TrainConfig, plan: MaskingPlan | None = None):
         self.tokenizer, self.config = tokenizer, config
-        self.plan = plan or plan_masking(tokenizer)
+        if plan is not None:
+            self.plan = plan
+
+    @functools.cached_property
+    def plan(self) -> MaskingPlan:
+        """Worked out when a row is first encoded (rendering the known templates takes about a second): a worker
+        that reads its rows from the preprocessing cache never needs it."""
+        return plan_masking(self.tokenizer)
 
     def detect_format(self, columns: list[str], spec: DatasetSpec) -> str:
         return detect_format(columns, spec)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from .commands._common import one_line_errors
@@ -48,5 +50,18 @@ app.add_typer(publish_app, name="publish")
 app.add_typer(export_app, name="export")
 
 
+# Commands whose process holds nothing an exit handler releases (no run lock, no Ray, no server) and which import
+# torch and lm-eval: they leave without the interpreter's teardown, about a second after the table is printed.
+LEAVE_WITHOUT_TEARDOWN = ("eval",)
+
+
 def main() -> None:
-    app()
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    try:
+        app()
+    except SystemExit as done:
+        if command not in LEAVE_WITHOUT_TEARDOWN:
+            raise
+        from .runtime.exit import exit_without_teardown
+
+        exit_without_teardown(done.code)

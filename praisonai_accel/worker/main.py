@@ -217,11 +217,8 @@ def _close_process_group(wait_for_others: bool) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Leave without interpreter teardown once everything is written and flushed. Under DDP, gloo's threads
-    can call std::terminate there ("terminate called without an active exception"), turning a finished run
-    into SIGABRT; and tearing down torch, transformers and their modules takes more than a second on its own."""
+    """Leave without interpreter teardown once everything is written and flushed (runtime/exit.py says why)."""
+    from ..runtime.exit import exit_without_teardown
+
     release_worker_lock()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(code)

@@ -5,6 +5,7 @@
 - shared-prefix rows give the rewards and LoRA gradients of the pairs' own padded rows (Llama, Qwen3-MoE, Mistral,
   Qwen2; sdpa and eager; pad and eos the same token), and are turned off, with the reason in one line, where they
   could not (flash attention, a sliding window, no pad id, a probe pair whose rewards differ, prefix_sharing: false);
+  on LLaMA-Factory's real DPO pairs (Phi-3's template) each reward token sees exactly its own row;
 - one batch of 2B gives the gradients of two batches of B accumulated (the recipe's summed-loss normalisation);
 - LoRA trains the score head in full (peft's modules_to_save), and accuracy rises on the training pairs;
 - a reward model as a GRPO reward (reward_funcs: model:PATH) scores each completion as the model's own forward on
@@ -516,3 +517,37 @@ def test_prefix_sharing_is_named_off_where_it_could_not_give_the_same_rewards(ca
     assert on.shared_rows(ids, torch.ones_like(ids)) is None
     ids, mask = _pair_batch(0)
     assert on.shared_rows(ids, mask) is not None
+
+
+def test_on_llamafactorys_real_pairs_each_rows_tokens_are_what_its_reward_token_sees(phi3_tokenizer):
+    """LLaMA-Factory's 300 DPO demo pairs through Phi-3's chat template: in the shared rows, the token where each
+    reward is read sees exactly its own row's tokens, in order, at positions 0..n-1; and the rows are shorter."""
+    from pathlib import Path
+
+    from praisonai_accel.methods.reward_module import SharedPrefixRows
+
+    data = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "llamafactory" / "dpo_en_demo.json"
+    if not data.is_file():
+        pytest.skip("../shared/fixtures/llamafactory is absent")
+    tokenizer = phi3_tokenizer
+    config = _config(max_prompt_length=512, max_seq_length=1024)
+    method = RewardMethod(config)
+    examples = [method.encode(r, "sharegpt_paired", tokenizer, config) for r in json.loads(data.read_text())]
+    pad = tokenizer.pad_token_id
+    padded = shared_positions = 0
+    for start in range(0, len(examples), 4):
+        batch = method.collate(examples[start:start + 4], pad)
+        shared = SharedPrefixRows(batch["input_ids"], batch["attention_mask"], pad)
+        padded, shared_positions = padded + batch["input_ids"].numel(), shared_positions + shared.input_ids.numel()
+        pairs = len(examples[start:start + 4])
+        width = shared.input_ids.size(1)
+        for k, row in enumerate([e["chosen_input_ids"] for e in examples[start:start + 4]]
+                                + [e["rejected_input_ids"] for e in examples[start:start + 4]]):
+            index = int(shared.reward_index[k])
+            i, column = divmod(index, width)
+            assert i == k % pairs
+            seen = shared.sees[i, 0, column].nonzero().flatten()
+            last = max(j for j, t in enumerate(row) if t != pad)  # the classifier's rule: the last non-pad token
+            assert shared.input_ids[i, seen].tolist() == list(row[:last + 1])
+            assert shared.position_ids[i, seen].tolist() == list(range(last + 1))
+    assert shared_positions < 0.8 * padded  # each pair's conversation before the answers, once

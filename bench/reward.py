@@ -78,8 +78,6 @@ def run_ours(args) -> dict:
         _sync(args.gpu)
         started = time.perf_counter()
         data = {k: v.to(device) for k, v in method.collate(batch, tokenizer.pad_token_id).items()}
-        shared = module.shared_rows(data["input_ids"], data["attention_mask"])
-        positions.append((data["input_ids"] if shared is None else shared.input_ids).numel())
         with autocast:
             loss_sum, _ = module(**data)
         (loss_sum / method.units(data)).backward()
@@ -88,6 +86,8 @@ def run_ours(args) -> dict:
         _sync(args.gpu)
         times.append(time.perf_counter() - started)
         losses.append(loss_sum.item() / method.units(data))
+        shared = module.shared_rows(data["input_ids"], data["attention_mask"])  # what the step ran, untimed
+        positions.append((data["input_ids"] if shared is None else shared.input_ids).numel())
     tokens = sum(len(e["chosen_input_ids"]) + len(e["rejected_input_ids"]) for e in examples) / len(examples)
     return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu), "tokens_per_pair": tokens,
             "positions_per_step": statistics.mean(positions), "prefix_sharing": module.prefix_sharing}

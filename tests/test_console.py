@@ -105,6 +105,23 @@ def test_the_launcher_keeps_the_bar_below_what_other_processes_write(tmp_path):
     assert screen_of(sink.getvalue()) == ["training ###------- 3/10 | loss 1.0000", "error: rank 0 was killed (SIGKILL)"]
 
 
+def test_on_a_terminal_a_workers_line_never_runs_into_this_processs_own_bar():
+    """Tokenizing beside the workers, the launching process draws datasets' bar ("\rMap: ..." without a newline)
+    on the terminal the workers' lines are relayed to: each line erases it first, and the bar's next update draws it
+    below (a newcomer saw 'Map: 31%|###| 93/300 [00:03<00:04]backend: transformers ...')."""
+    for terminal, expected in ((True, ["backend: transformers | processes: 2", "model: tiny | trainable 1,024",
+                                       "Map: 76%|#### | 229/300"]),
+                               (False, ["Map: 31%|##   | 93/300backend: transformers | processes: 2",
+                                        "model: tiny | trainable 1,024", "Map: 76%|#### | 229/300"])):
+        sink = io.StringIO()
+        relay = LauncherOutput(sink, terminal=terminal)
+        sink.write("\rMap: 31%|##   | 93/300")  # this process's own bar, drawn by tqdm
+        relay.feed("backend: transformers | processes: 2\n")
+        relay.feed(f"{logs.CLEAR_LINE}model: tiny | trainable 1,024\n")
+        sink.write("\rMap: 76%|#### | 229/300")
+        assert screen_of(sink.getvalue()) == expected
+
+
 def test_headline_metrics_are_declared_per_method_and_name_logged_metrics():
     from praisonai_accel.methods.base import TrainingMethod
     from praisonai_accel.methods.grpo import GRPO

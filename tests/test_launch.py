@@ -6,6 +6,7 @@ import importlib.util
 import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -302,3 +303,24 @@ def test_a_rank_killed_by_a_signal_is_named_though_its_peer_failed_first():
     for line in TORCHRUN_REPORT.splitlines(keepends=True):  # SIGTERM (the agent stopping a rank) is the last choice
         relay.feed(line)
     assert relay.culprit() == (1, -9)
+
+
+def test_leaving_without_teardown_still_runs_exit_handlers_waits_for_threads_and_keeps_the_code(tmp_path):
+    """runtime/exit.py (eval's ranks and command): the user's exit handlers run, a thread the interpreter would wait
+    for is waited for, and the exit code (or sys.exit's message) is the process's."""
+    import textwrap
+
+    mark = tmp_path / "thread-finished"
+    script = textwrap.dedent(f"""
+        import atexit, sys, threading, time
+        from praisonai_accel.runtime.exit import exit_without_teardown
+        atexit.register(lambda: print("handler ran", flush=True))
+        if sys.argv[1] == "thread":
+            threading.Thread(target=lambda: (time.sleep(0.5), open({str(mark)!r}, "w").close())).start()
+        exit_without_teardown(3 if sys.argv[1] != "message" else "error: a message")
+    """)
+    for case, code in (("plain", 3), ("thread", 3), ("message", 1)):
+        done = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=60)
+        assert done.returncode == code and done.stdout == "handler ran\n", (case, done)
+        assert ("error: a message" in done.stderr) == (case == "message")
+    assert mark.exists()

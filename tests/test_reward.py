@@ -4,7 +4,8 @@
   centring included), to 1e-6, with each pair's prompt computed once (shared-prefix rows);
 - shared-prefix rows give the rewards and LoRA gradients of the pairs' own padded rows (Llama, Qwen3-MoE, Mistral,
   Qwen2; sdpa and eager; pad and eos the same token), and are turned off, with the reason in one line, where they
-  could not (flash attention, a sliding window, no pad id, a probe pair whose rewards differ, prefix_sharing: false);
+  could not (flash attention, a sliding window or other layer types, dropout, no pad id, a probe pair whose
+  rewards differ, left padding, prefix_sharing: false);
   on LLaMA-Factory's real DPO pairs (Phi-3's template) each reward token sees exactly its own row;
 - one batch of 2B gives the gradients of two batches of B accumulated (the recipe's summed-loss normalisation);
 - LoRA trains the score head in full (peft's modules_to_save), and accuracy rises on the training pairs;
@@ -487,10 +488,26 @@ def test_prefix_sharing_is_named_off_where_it_could_not_give_the_same_rewards(ca
     def tokenizer(text, add_special_tokens):  # the probe's text as ids of the 96-token models here
         return {"input_ids": [3 + ord(c) % 90 for c in text]}
 
-    assert "sliding-window" in shared_prefix_problem(_random_classifier("mistral", "sdpa").__class__(
-        __import__("transformers").MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
-                                                 num_hidden_layers=1, num_attention_heads=4, num_labels=1,
-                                                 pad_token_id=0, sliding_window=16)))
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_labels=1, pad_token_id=0)
+    assert shared_prefix_problem(tf.MistralForSequenceClassification(tf.MistralConfig(**small, sliding_window=16))) \
+        == "its sliding window (16 tokens) is not applied to a mask given whole"
+    # a window no row can reach (Phi-3-128k's: as long as the positions) applies nothing
+    assert shared_prefix_problem(tf.MistralForSequenceClassification(tf.MistralConfig(
+        **small, sliding_window=256, max_position_embeddings=256))) is None
+    gemma = tf.Gemma3TextConfig(**small, head_dim=8, sliding_window=16, layer_types=["sliding_attention",
+                                                                                       "full_attention"])
+    assert shared_prefix_problem(tf.Gemma3TextForSequenceClassification(gemma)) == \
+        "its sliding_attention layers do not take a mask given whole"
+    # dropout would be drawn once for the shared tokens, once per row otherwise: the same gradients only without it
+    assert shared_prefix_problem(tf.LlamaForSequenceClassification(tf.LlamaConfig(**small, attention_dropout=0.1))) \
+        .startswith("attention_dropout 0.1 would be drawn once for a pair's shared tokens")
+    lora = get_peft_model(_random_classifier("llama", "sdpa"), LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          lora_dropout=0.05, task_type="SEQ_CLS"))
+    assert shared_prefix_problem(lora).startswith("dropout 0.05 (")
     model = _random_classifier("llama", "sdpa")
     model.config._attn_implementation = "flash_attention_2"
     assert shared_prefix_problem(model) == "attention flash_attention_2 takes no 4D mask (only sdpa and eager do)"
@@ -509,14 +526,18 @@ def test_prefix_sharing_is_named_off_where_it_could_not_give_the_same_rewards(ca
         probed = settle_prefix_sharing(RewardLoss(model, None), accelerator, tokenizer)
     assert not probed.prefix_sharing and "does not give a pair's rewards with its prefix shared" in caplog.text
     caplog.clear()
+    classifier = _random_classifier("llama", "sdpa").eval()
     with caplog.at_level(logging.INFO, logger="praisonai_accel"):
-        on = settle_prefix_sharing(RewardLoss(_random_classifier("llama", "sdpa"), None), accelerator, tokenizer)
+        on = settle_prefix_sharing(RewardLoss(classifier, None), accelerator, tokenizer)
     assert on.prefix_sharing and "shared leading tokens computed once" in caplog.text
+    assert not classifier.training  # the probe puts every module back as it found it
     # a batch whose pairs share nothing costs more as one longer row each: it goes through as padded rows
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     assert on.shared_rows(ids, torch.ones_like(ids)) is None
     ids, mask = _pair_batch(0)
     assert on.shared_rows(ids, mask) is not None
+    # left padding is not the layout the rows are read in: such a batch goes through as it is
+    assert on.shared_rows(ids.flip(1), mask.flip(1)) is None
 
 
 def test_on_llamafactorys_real_pairs_each_rows_tokens_are_what_its_reward_token_sees(phi3_tokenizer):

@@ -62,10 +62,13 @@ class LauncherOutput:
     """Relays the launcher's stderr without torchrun's failure block; remembers whether a worker said 'error:'.
 
     Pieces end in a newline (a line) or a carriage return (rank 0's progress bar, redrawn in place): the last bar is
-    kept and drawn again below any line another process writes over it, so nothing runs into it."""
+    kept and drawn again below any line another process writes over it, so nothing runs into it. On a terminal
+    every line first erases the one the cursor is on: this process's own progress bar (tokenizing beside the
+    workers) may be there, unfinished, and is drawn again below at its next update."""
 
-    def __init__(self, sink):
+    def __init__(self, sink, terminal: bool = False):
         self.sink = sink
+        self.terminal = terminal
         self.bar = ""  # the progress bar on screen, if any
         self.state = "relay"  # relay | traceback | report (ChildFailedError's ===== block)
         self.rules_seen = 0
@@ -137,7 +140,8 @@ class LauncherOutput:
         if self._dropped(line):
             return
         self.worker_error = self.worker_error or line.startswith("error: ")
-        self.sink.write(f"{CLEAR_LINE}{line}{CLEAR_LINE}{self.bar}" if self.bar else piece)
+        self.sink.write(f"{CLEAR_LINE}{line}{CLEAR_LINE}{self.bar}" if self.bar
+                        else f"{CLEAR_LINE}{line}" if self.terminal else piece)
         self.sink.flush()
 
     def feed_stream(self, fd: int) -> None:
@@ -188,7 +192,7 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
 
     forwarded = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
     previous = {sig: signal.signal(sig, forward) for sig in forwarded}
-    output = LauncherOutput(sys.stderr) if relay else None
+    output = LauncherOutput(sys.stderr, terminal=sys.stderr.isatty()) if relay else None
     try:
         if output is not None:
             output.feed_stream(proc.stderr.fileno())

@@ -99,8 +99,9 @@ class RewardKeys(_Unpacked):
         "default none."))
     prefix_sharing: bool = Field(default=True, description=(
         "Each pair's leading tokens (its prompt, at least) computed once for chosen and rejected, in one row with a "
-        "4D mask, in batches where that costs less than padded rows; the same rewards. sdpa or eager attention, no "
-        "sliding window; otherwise, or false, chosen and rejected are rows of their own, as in TRL."))
+        "4D mask, in batches where that costs less than padded rows; the same rewards. sdpa or eager attention, "
+        "full-attention layers, no dropout; otherwise, or false, chosen and rejected are rows of their own, as in "
+        "TRL."))
 
 
 def prompt_limit(config) -> int:

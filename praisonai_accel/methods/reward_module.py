@@ -37,6 +37,18 @@ def reward_positions(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor
     return (columns * (input_ids != pad_token_id)).argmax(-1)
 
 
+def pair_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """(chosen lengths, rejected lengths, shared prefix lengths) of a batch of pairs, chosen rows then rejected rows;
+    None unless every row is right-padded (its real tokens first), the layout SharedPrefixRows reads."""
+    mask = attention_mask.bool()
+    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        return None
+    chosen, rejected = input_ids.chunk(2)
+    chosen_mask, rejected_mask = mask.chunk(2)
+    same = (chosen == rejected) & chosen_mask & rejected_mask
+    return chosen_mask.sum(1), rejected_mask.sum(1), same.long().cumprod(1).sum(1)
+
+
 class SharedPrefixRows:
     """A batch of pairs (chosen rows, then rejected rows, right-padded) as one row per pair: the tokens chosen and
     rejected share from the start (the prompt, at least) once, then the rest of chosen, then the rest of rejected.
@@ -44,13 +56,14 @@ class SharedPrefixRows:
     not chosen's rest: every token sees exactly the tokens and positions it sees in its own row, so each reward is
     the one the two rows give, with the prefix's tokens computed once instead of twice."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int,
+                 lengths: tuple[torch.Tensor, ...] | None = None):
+        lengths = lengths or pair_lengths(input_ids, attention_mask)
+        if lengths is None:
+            raise ValueError("SharedPrefixRows reads right-padded rows")
+        chosen_length, rejected_length, prefix = lengths
         chosen, rejected = input_ids.chunk(2)
-        chosen_mask, rejected_mask = attention_mask.bool().chunk(2)
         pairs, width = chosen.shape
-        chosen_length, rejected_length = chosen_mask.sum(1), rejected_mask.sum(1)
-        same = (chosen == rejected) & chosen_mask & rejected_mask
-        prefix = same.long().cumprod(1).sum(1)
         total = chosen_length + rejected_length - prefix
         columns = torch.arange(int(total.max()), device=input_ids.device).expand(pairs, -1)
         in_chosen = columns < chosen_length[:, None]
@@ -97,13 +110,33 @@ def shared_prefix_problem(classifier: nn.Module) -> str | None:
         return f"attention {implementation} takes no 4D mask (only {' and '.join(SHARED_PREFIX_ATTENTION)} do)"
     if getattr(config, "pad_token_id", None) is None:
         return "the model has no pad token id"
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
-    if sliding:
-        return "its sliding-window layers do not apply their window to a mask given whole"
+    other_layers = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if other_layers:
+        return f"its {', '.join(other_layers)} layers do not take a mask given whole"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < (
+            getattr(config, "max_position_embeddings", None) or float("inf")):
+        return f"its sliding window ({window} tokens) is not applied to a mask given whole"
+    dropout = dropout_in(classifier, config)
+    if dropout:
+        return (f"{dropout} would be drawn once for a pair's shared tokens instead of once per row; with it at 0 "
+                "the shared tokens are computed once")
     if not isinstance(getattr(base, "score", None), nn.Module) or not isinstance(
             getattr(base, base.base_model_prefix, None), nn.Module):
         return f"{type(base).__name__} has no score head over a decoder"
+    return None
+
+
+def dropout_in(classifier: nn.Module, config) -> str | None:
+    """The first dropout the classifier trains with, in words (a dropout module, LoRA's included, or an attention
+    dropout its config names), or None."""
+    for name, module in classifier.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return f"dropout {module.p:g} ({name})"
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or key.endswith("pdrop")) and "classifier" not in key and isinstance(
+                value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return f"{key} {value:g}"
     return None
 
 
@@ -160,13 +193,17 @@ class RewardLoss(nn.Module):
         return rows * width * (linear + width * attention)
 
     def shared_rows(self, input_ids, attention_mask) -> SharedPrefixRows | None:
-        """The batch's pairs as SharedPrefixRows where that costs at most 0.9 of the padded rows, else None."""
+        """The batch's pairs as SharedPrefixRows where that costs at most 0.9 of the padded rows, else None. The
+        lengths decide before any row is built."""
         if not self.prefix_sharing or attention_mask is None:
             return None
-        shared = SharedPrefixRows(input_ids, attention_mask, self._base().config.get_text_config().pad_token_id)
-        if self._cost(*shared.input_ids.shape) > 0.9 * self._cost(*input_ids.shape):
+        lengths = pair_lengths(input_ids, attention_mask)
+        if lengths is None:
             return None
-        return shared
+        width = int((lengths[0] + lengths[1] - lengths[2]).max())
+        if self._cost(input_ids.size(0) // 2, width) > 0.9 * self._cost(*input_ids.shape):
+            return None
+        return SharedPrefixRows(input_ids, attention_mask, self._base().config.get_text_config().pad_token_id, lengths)
 
     def _shared_rewards(self, shared: SharedPrefixRows) -> torch.Tensor:
         base = self._base()
@@ -196,7 +233,7 @@ def settle_prefix_sharing(module: RewardLoss, accelerator, tokenizer) -> RewardL
     if module.prefix_sharing:
         probe = tokenizer("The quick brown fox jumps over the lazy dog. It was not amused.",
                           add_special_tokens=False)["input_ids"]
-        if not head_verified(accelerator, lambda: verify_shared_prefix(module, probe, accelerator.device)):
+        if not head_verified(accelerator, lambda: verify_shared_prefix(module, probe)):
             module.prefix_sharing, module.prefix_problem = False, "a probe pair's rewards differed with it"
             log.warning("warning: this model does not give a pair's rewards with its prefix shared in one row; "
                         "chosen and rejected go through as rows of their own")
@@ -208,17 +245,18 @@ def settle_prefix_sharing(module: RewardLoss, accelerator, tokenizer) -> RewardL
     return module
 
 
-def verify_shared_prefix(module: RewardLoss, token_ids: list[int], device) -> bool:
-    """Do two pairs through SharedPrefixRows give the rewards of their padded rows? Checked in eval mode on ordinary
-    tokens, one pair's completions of different lengths."""
+def verify_shared_prefix(module: RewardLoss, token_ids: list[int]) -> bool:
+    """Do two pairs through SharedPrefixRows give the rewards of their padded rows? Checked in eval mode, on the
+    device the model is on (under FSDP rank 0's weights are still in host memory here), on ordinary tokens, one
+    pair's completions of different lengths."""
     pad = module._base().config.get_text_config().pad_token_id
     ids = [t for t in token_ids if t != pad][:16]
     if len(ids) < 12:
         return False
     prompt, rest = ids[:6], ids[6:]
     rows = [prompt + rest[:4], prompt[:3] + rest[:2], prompt + rest[2:6], prompt[:3] + rest[3:6]]
-    input_ids, attention_mask = padded_rows(rows, pad, device)
-    was_training = module.training
+    input_ids, attention_mask = padded_rows(rows, pad, next(module.parameters()).device)
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         with torch.no_grad():
@@ -230,7 +268,8 @@ def verify_shared_prefix(module: RewardLoss, token_ids: list[int], device) -> bo
         log.info("prefix sharing: %s: %s", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
     finally:
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training
     scale = float(expected.abs().max().clamp(min=1e-3))
-    tolerance = 1e-4 if next(module.parameters()).dtype == torch.float32 else 5e-2
-    return bool((shared - expected).abs().max() <= tolerance * scale)
+    exact = all(p.dtype == torch.float32 for p in module.parameters())  # not bf16, not 4-bit
+    return bool((shared - expected).abs().max() <= (1e-4 if exact else 5e-2) * scale)

@@ -76,7 +76,9 @@ def settle_chunking(module, accelerator, tokenizer):
         log.info("loss: lm_head is trained through peft (LoRA or modules_to_save), which the chunked loss would "
                  "bypass; using the model's full logits")
     probe = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
-    if module.chunked and not head_verified(accelerator, lambda: verify_head(module, probe, accelerator.device)):
+    # on the device the model's weights are on: under FSDP rank 0 holds them in host memory until prepare
+    device = next(module.parameters()).device
+    if module.chunked and not head_verified(accelerator, lambda: verify_head(module, probe, device)):
         module.chunked = False
         log.warning("warning: this model's head is not a plain linear layer over the decoder output; "
                     "the loss uses its full logits")

@@ -217,8 +217,9 @@ def _close_process_group(wait_for_others: bool) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Leave without interpreter teardown once everything is written and flushed (runtime/exit.py says why)."""
+    """Leave without interpreter teardown once everything is written and flushed (runtime/exit.py says why), and
+    without the exit handlers: the run's own ends (trackers, the process group, the lock) are closed here already."""
     from ..runtime.exit import exit_without_teardown
 
     release_worker_lock()
-    exit_without_teardown(code)
+    exit_without_teardown(code, exit_handlers=False)

@@ -119,8 +119,7 @@ def shared_prefix_problem(classifier: nn.Module) -> str | None:
         return f"its sliding window ({window} tokens) is not applied to a mask given whole"
     dropout = dropout_in(classifier, config)
     if dropout:
-        return (f"{dropout} would be drawn once for a pair's shared tokens instead of once per row; with it at 0 "
-                "the shared tokens are computed once")
+        return f"{dropout} would be drawn once for a pair's shared tokens instead of once per row"
     if not isinstance(getattr(base, "score", None), nn.Module) or not isinstance(
             getattr(base, base.base_model_prefix, None), nn.Module):
         return f"{type(base).__name__} has no score head over a decoder"

@@ -231,8 +231,9 @@ def collate_pairs(examples: list[dict], pad_token_id: int) -> dict:
     """Chosen rows then rejected rows, right-padded into one batch: one forward for both."""
     rows = [list(e["chosen_input_ids"]) for e in examples] + [list(e["rejected_input_ids"]) for e in examples]
     labels = [list(e["chosen_labels"]) for e in examples] + [list(e["rejected_labels"]) for e in examples]
-    return _with_reference({"input_ids": _pad(rows, pad_token_id)[0], "attention_mask": _pad(rows, pad_token_id)[1],
-                            "labels": _pad(labels, IGNORE_INDEX)[0]}, examples, ("ref_chosen_logps", "ref_rejected_logps"))
+    ids, mask = _pad(rows, pad_token_id)
+    return _with_reference({"input_ids": ids, "attention_mask": mask, "labels": _pad(labels, IGNORE_INDEX)[0]},
+                           examples, ("ref_chosen_logps", "ref_rejected_logps"))
 
 
 def collate_unpaired(examples: list[dict], pad_token_id: int) -> dict:

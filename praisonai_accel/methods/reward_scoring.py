@@ -105,11 +105,8 @@ def score_ids(model, rows: list[list[int]], pad_token_id: int, batch_size: int =
 
 
 def padded_rows(chunk: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in chunk)
-    ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(chunk):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.as_tensor(r), 1
+    """(ids, attention mask) right-padded as training collates them (preference_data), on `device`."""
+    ids, mask = pdata._pad(chunk, pad_token_id)
     return ids.to(device), mask.to(device)
 
 

@@ -89,10 +89,13 @@ class SharedPrefixRows:
         row_start = torch.arange(pairs, device=input_ids.device) * columns.size(1)
         self.reward_index = torch.cat([row_start + chosen_at, row_start + rejected_at])
 
-    def attention_mask(self, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-        """sdpa takes the boolean mask; eager adds it to its scores."""
-        if implementation == "sdpa":
+    def attention_mask(self, model: nn.Module) -> torch.Tensor:
+        """sdpa takes the boolean mask; eager adds it to its scores, in the dtype it computes them in."""
+        if model.config._attn_implementation == "sdpa":
             return self.sees
+        device = self.sees.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else next(p for p in model.parameters() if p.is_floating_point()).dtype)
         blocked = torch.zeros(self.sees.shape, dtype=dtype, device=self.sees.device)
         return blocked.masked_fill(~self.sees, torch.finfo(dtype).min)
 
@@ -206,12 +209,8 @@ class RewardLoss(nn.Module):
 
     def _shared_rewards(self, shared: SharedPrefixRows) -> torch.Tensor:
         base = self._base()
-        device = shared.input_ids.device.type
-        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else next(p for p in base.parameters() if p.is_floating_point()).dtype)
-        mask = shared.attention_mask(base.config._attn_implementation, dtype)
-        hidden = self.decoder(input_ids=shared.input_ids, attention_mask=mask, position_ids=shared.position_ids,
-                              use_cache=False).last_hidden_state
+        hidden = self.decoder(input_ids=shared.input_ids, attention_mask=shared.attention_mask(base),
+                              position_ids=shared.position_ids, use_cache=False).last_hidden_state
         return base.score(hidden.reshape(-1, hidden.size(-1))[shared.reward_index]).squeeze(-1).float()
 
     def forward(self, input_ids, attention_mask=None, margin=None, labels=None, **_):

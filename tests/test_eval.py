@@ -218,6 +218,66 @@ def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_proces
     assert [r["change"] for r in two["comparison"]] == pytest.approx([r["change"] for r in ours["comparison"]])
 
 
+def _ranks(where: Path) -> list[int]:
+    """The eval ranks (not their launcher) whose command line names a path under `where`."""
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-f", f"praisonai_accel.evaluate.worker {where}"], capture_output=True,
+                           text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def _early_ranks(setup, tmp_path):
+    """`eval --num-processes 2` held in its checks (a task YAML still being written: a FIFO the check reads) once
+    both ranks, started early, are up; returns (the command, the FIFO)."""
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree(setup["tasks"], tasks)
+    fifo = tasks / "late.yaml"
+    os.mkfifo(fifo)
+    command = subprocess.Popen(
+        [sys.executable, "-m", "praisonai_accel", "eval", str(setup["adapter"]), "--tasks", "tiny_mc",
+         "--include-path", str(tasks), "--cpu", "--num-processes", "2"],
+        env={**cpu_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_ranks(tmp_path)) < 2:
+        assert command.poll() is None and time.monotonic() < deadline, command.communicate()
+        time.sleep(0.1)
+    return command, fifo
+
+
+def _gone(where: Path, seconds: float = 20) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while _ranks(where) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _ranks(where)
+
+
+def test_ranks_started_early_are_cancelled_when_a_check_fails(setup, tmp_path):
+    """The ranks start while the command still checks its input and wait for the request; a check that fails then
+    kills them (nothing loaded): the check's one line, exit 2, no rank left, the launch's files removed."""
+    command, fifo = _early_ranks(setup, tmp_path)
+    fifo.write_text("task: [unclosed\n")
+    _, stderr = command.communicate(timeout=120)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert command.returncode == 2 and len(lines) == 1, stderr
+    assert "late.yaml: not a valid lm-eval task YAML" in lines[0]
+    assert _gone(tmp_path) and not list(tmp_path.glob("praisonai-accel-eval-*"))
+
+
+def test_ranks_waiting_for_a_command_killed_outright_die_with_it(setup, tmp_path):
+    command, _ = _early_ranks(setup, tmp_path)
+    command.kill()  # SIGKILL: no handler of ours runs; the kernel takes the launcher, the launcher's death the ranks
+    command.communicate()
+    assert _gone(tmp_path), "a rank outlived the command that started it"
+
+
 def test_paired_test_is_scipys_paired_t_test():
     from scipy.stats import ttest_rel
 

@@ -4,7 +4,7 @@ against the base too with --base, on N ranks; a regression gate for CI."""
 from __future__ import annotations
 
 import json
-import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import List, Optional
 
@@ -48,6 +48,7 @@ def eval_command(
     from ..evaluate.score import EvalRequest
     from ..evaluate.targets import chat_template_choice, check_base, resolve_target
     from ..evaluate.tasks import build_tasks, check_include_path, import_lm_eval, parse_task_names
+    from ..launcher.eval_plan import EvalLaunch
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
     entries = reward_entries(reward_funcs or [], reward_model)
@@ -65,23 +66,26 @@ def eval_command(
     check_gate_tasks(gates, names + ([TASK] if entries else []))
     base = base or bool(gates)
     processes, gpu_ids = resolve_processes(gpus, cpu, num_processes, count_cuda_gpus)
-    if names:
-        import_lm_eval()
-        check_include_path(include_path)
-    resolved = resolve_target(target, trust_remote_code)
-    if base:
-        check_base(resolved)
-    if names:
-        apply_chat_template, template_line = chat_template_choice(resolved, apply_chat_template)
-    if entries:  # every function loaded and every column it reads found before any model loads
-        prompt_rows = read_prompts(prompts)
-        functions = load_functions(entries, prompt_rows, Path.cwd())
-    manager = build_tasks(names, include_path)[0] if names else None  # every task checked before any model loads
-    if names and template_line:
-        typer.echo(template_line, err=True)
-    request = EvalRequest(resolved, names, str(include_path.resolve()) if include_path else None, limit, num_fewshot,
-                          batch_size, bool(apply_chat_template), log_samples, base)
-    scored = _score(request, processes, gpu_ids, cpu, manager) if names else {"processes": 1}
+    # the ranks of a multi-process eval start now and wait: their imports overlap the checks below, and a check
+    # that fails cancels them before any model loads
+    with EvalLaunch(processes, gpu_ids, cpu) if names and processes > 1 else nullcontext() as ranks:
+        if names:
+            import_lm_eval()
+            check_include_path(include_path)
+        resolved = resolve_target(target, trust_remote_code)
+        if base:
+            check_base(resolved)
+        if names:
+            apply_chat_template, template_line = chat_template_choice(resolved, apply_chat_template)
+        if entries:  # every function loaded and every column it reads found before any model loads
+            prompt_rows = read_prompts(prompts)
+            functions = load_functions(entries, prompt_rows, Path.cwd())
+        manager = build_tasks(names, include_path)[0] if names else None  # every task checked before a model loads
+        if names and template_line:
+            typer.echo(template_line, err=True)
+        request = EvalRequest(resolved, names, str(include_path.resolve()) if include_path else None, limit, num_fewshot,
+                              batch_size, bool(apply_chat_template), log_samples, base)
+        scored = _score(request, ranks, gpu_ids, cpu, manager) if names else {"processes": 1}
     table = rows(scored["tuned"], scored.get("base")) if names else []
     options = json.loads(request.to_json())
     if entries:
@@ -158,25 +162,18 @@ def _score_rewards(target, functions, prompts, num_samples, max_new_tokens, temp
         fail(str(exc), code=1)
 
 
-def _score(request, processes: int, gpu_ids, cpu: bool, manager) -> dict:
-    """In this process for one rank; otherwise N ranks launched as `train` launches its workers."""
-    if processes == 1:
+def _score(request, ranks, gpu_ids, cpu: bool, manager) -> dict:
+    """In this process for one rank; otherwise by the N ranks started (and waiting) as `train` launches its
+    workers."""
+    if ranks is None:
         from ..evaluate.score import score
         from ..logs import show_progress_lines
 
         show_progress_lines()
         device = "cpu" if cpu else (f"cuda:{gpu_ids[0]}" if gpu_ids else None)
         return score(request, manager=manager, device=device)
-    from ..launcher.eval_plan import plan_eval_launch
-    from ..launcher.local import launch
-
-    with tempfile.TemporaryDirectory(prefix="praisonai-accel-eval-") as work:
-        request_file, result_file = Path(work) / "request.json", Path(work) / "result.json"
-        request_file.write_text(request.to_json())
-        plan = plan_eval_launch(request_file, result_file, num_processes=processes, gpu_ids=gpu_ids, cpu=cpu,
-                                work_dir=Path(work))
-        typer.echo(f"launching {plan.num_processes} process(es)", err=True)
-        code = launch(plan)
-        if code != 0 or not result_file.is_file():
-            fail(f"the evaluation failed (exit code {code})", code=code or 1)
-        return json.loads(result_file.read_text())
+    typer.echo(f"launching {ranks.plan.num_processes} process(es)", err=True)
+    code, result = ranks.run(request.to_json())
+    if code != 0 or result is None:
+        fail(f"the evaluation failed (exit code {code})", code=code or 1)
+    return result

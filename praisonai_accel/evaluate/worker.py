@@ -1,21 +1,32 @@
 """The entry point of each rank `praisonai-accel eval --num-processes N` launches: `python -m
-praisonai_accel.evaluate.worker REQUEST.json RESULT.json`. Every rank scores its share; rank 0 writes RESULT once."""
+praisonai_accel.evaluate.worker REQUEST.json RESULT.json`. Every rank scores its share; rank 0 writes RESULT once.
+
+A rank is started while the command still checks its input: it imports what scoring needs and joins its process
+group, then waits for REQUEST to appear (the command writes it once every check passed, or kills the ranks)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 
+def wait_for(path: Path, poll: float = 0.02) -> Path:
+    while not path.exists():
+        time.sleep(poll)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ..runtime.distributed import ddp_backend_kwargs, die_with_parent
+
+    die_with_parent()  # a rank waiting for its request must not outlive a launcher killed outright
     import datetime
 
     import torch
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
-
-    from ..runtime.distributed import ddp_backend_kwargs
 
     from ..atomic import write_text_atomic
     from ..logs import show_progress_lines
@@ -23,10 +34,14 @@ def main(argv: list[str] | None = None) -> int:
 
     show_progress_lines()
     request_file, result_file = (argv or sys.argv[1:])[:2]
-    request = EvalRequest.from_json(Path(request_file).read_text())
-    # the timeout of a long evaluation's collectives: a rank may wait while rank 0 computes the metrics
+    import peft  # noqa: F401  (what loading the model imports: seconds, spent while the command checks)
+    from lm_eval.models.huggingface import HFLM  # noqa: F401
+
+    # the timeout of a long evaluation's collectives: a rank may wait while rank 0 computes the metrics, and every
+    # rank waits here for the command's checks (a Hub task's data may take minutes to fetch)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[
         InitProcessGroupKwargs(timeout=datetime.timedelta(hours=24), **ddp_backend_kwargs())])
+    request = EvalRequest.from_json(wait_for(Path(request_file)).read_text())
 
     result = score(request, accelerator)
     if accelerator.is_main_process:

@@ -1,12 +1,19 @@
 """The launch of `praisonai-accel eval`: N ranks started as `train` starts its workers (accelerate launch with a
-generated config: DDP over NCCL, or over gloo for CPU processes), each running praisonai_accel.evaluate.worker."""
+generated config: DDP over NCCL, or over gloo for CPU processes), each running praisonai_accel.evaluate.worker.
+
+The ranks start before the command's checks end: their imports and process group (seconds) overlap the checks, and
+each waits for the request file before it loads anything. A check that fails cancels them."""
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from .accelerate_config import build_accelerate_config
+from .local import start_launch
 from .plan import LaunchPlan, free_port
 
 EVAL_MODULE = "praisonai_accel.evaluate.worker"
@@ -27,3 +34,33 @@ def plan_eval_launch(request_file: Path, result_file: Path, *, num_processes: in
     command = [python, "-m", "accelerate.commands.launch", "--config_file", str(path),
                "--main_process_port", str(free_port())]
     return LaunchPlan(command + args, num_processes, env, accel, path, generated_config=True)
+
+
+class EvalLaunch:
+    """N eval ranks started now, waiting for their request. As a context manager: cancelled (killed, their output
+    dropped) when the block ends before run() was called, by a failed check, Ctrl-C or any error."""
+
+    def __init__(self, num_processes: int, gpu_ids: list[int] | None, cpu: bool):
+        self._work = tempfile.TemporaryDirectory(prefix="praisonai-accel-eval-")
+        work = Path(self._work.name)
+        self.request_file, self.result_file = work / "request.json", work / "result.json"
+        self.plan = plan_eval_launch(self.request_file, self.result_file, num_processes=num_processes,
+                                     gpu_ids=gpu_ids, cpu=cpu, work_dir=work)
+        self._running = start_launch(self.plan)
+        self._ran = False
+
+    def run(self, request_json: str) -> tuple[int, dict | None]:
+        """(the launcher's exit code, rank 0's result or None): the request handed to the waiting ranks."""
+        self._ran = True
+        write_text_atomic(self.request_file, request_json)
+        code = self._running.wait()
+        result = json.loads(self.result_file.read_text()) if self.result_file.is_file() else None
+        return code, result
+
+    def __enter__(self) -> "EvalLaunch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._ran:
+            self._running.cancel()
+        self._work.cleanup()

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from typing import Callable, Sequence
 
 from ..runtime.distributed import die_with_parent
@@ -164,14 +165,106 @@ class LauncherOutput:
             self.bar = ""
 
 
-def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
-    """Run the launcher in its own process group and take the whole group down with us.
+class HeldSink:
+    """A stream that holds what is written to it until release() (then passes everything on), or drops it with
+    discard(): the output of ranks started before the command's own checks end."""
 
-    Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers), SIGUSR1 as SIGTERM;
-    if this process is killed outright, the launcher gets SIGKILL from the kernel, and each
-    worker in turn dies with its launcher. A multi-process launcher's stderr is relayed without
-    torchrun's failure block (unless --verbose): a failing worker prints one line naming its log.
-    """
+    def __init__(self, sink, held: bool = False):
+        self.sink = sink
+        self._held: list[str] | None = [] if held else None
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._held is None:
+                self.sink.write(text)
+            else:
+                self._held.append(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._held is None:
+                self.sink.flush()
+
+    def release(self) -> None:
+        with self._lock:
+            for text in self._held or []:
+                self.sink.write(text)
+            self._held = None
+            self.sink.flush()
+
+    def discard(self) -> None:
+        with self._lock:
+            self._held = []
+
+
+class Running:
+    """A launcher started in its own process group by start_subprocess; wait() for how it ended, or cancel() it."""
+
+    def __init__(self, proc: subprocess.Popen, env: dict[str, str], output: LauncherOutput | None,
+                 sink: HeldSink | None):
+        self.proc, self.env, self.output, self.sink = proc, env, output, sink
+        self._relay = None
+        if output is not None:
+            self._relay = threading.Thread(target=output.feed_stream, args=(proc.stderr.fileno(),), daemon=True)
+            self._relay.start()
+
+    def release(self) -> None:
+        """Show what the launcher has written so far, and from now on as it comes."""
+        if self.sink is not None:
+            self.sink.release()
+
+    def cancel(self) -> None:
+        """Kill the whole group and drop what it wrote (it was started early and is no longer wanted)."""
+        if self.sink is not None:
+            self.sink.discard()
+        self._kill()
+        self.proc.wait()
+        if self._relay is not None:
+            self._relay.join()
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self) -> int:
+        proc, output = self.proc, self.output
+
+        def forward(signum, _frame):
+            # SLURM's warning before a preemption (--signal=USR1@N) reaches us; torchrun's agent would die of it, so
+            # the group gets a SIGTERM: the workers save their last finished step and exit 143.
+            try:
+                os.killpg(proc.pid, signal.SIGTERM if signum == getattr(signal, "SIGUSR1", None) else signum)
+            except ProcessLookupError:
+                pass
+
+        self.release()
+        forwarded = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+        previous = {sig: signal.signal(sig, forward) for sig in forwarded}
+        try:
+            if self._relay is not None:
+                self._relay.join()  # until every writer of the pipe is gone, as the launcher's last words come
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._kill()  # stragglers of a launcher that already exited
+        if output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
+            culprit = output.culprit()
+            death = describe_worker_death(*culprit, self.env.get(MEMORY_NOTE_ENV, "")) if culprit else None
+            if death:
+                sys.stderr.write(f"error: {death} (each rank's log is in output_dir/logs/)\n")
+            else:
+                sys.stderr.write(f"error: training failed (launcher exit code {code}); each rank's log is in output_dir/logs/\n")
+        if output is not None and code != 0:
+            code = output.worker_code() or code
+        return code
+
+
+def start_subprocess(command: Sequence[str], env: dict[str, str], hold: bool = False) -> Running:
+    """Start the launcher in its own process group, its stderr relayed (held back until release() with `hold`)."""
     full_env = {**os.environ, **env}
     relay = "accelerate.commands.launch" in command and full_env.get(VERBOSE_ENV) != "1"
     if relay and sys.stderr.isatty():
@@ -181,41 +274,28 @@ def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
             full_env.setdefault("COLUMNS", str(columns))
     proc = subprocess.Popen(list(command), env=full_env, start_new_session=True, preexec_fn=_kill_with_parent,
                             stderr=subprocess.PIPE if relay else None)
+    sink = HeldSink(sys.stderr, held=hold) if relay else None
+    output = LauncherOutput(sink, terminal=sys.stderr.isatty()) if relay else None
+    return Running(proc, full_env, output, sink)
 
-    def forward(signum, _frame):
-        # SLURM's warning before a preemption (--signal=USR1@N) reaches us; torchrun's agent would die of it, so
-        # the group gets a SIGTERM: the workers save their last finished step and exit 143.
-        try:
-            os.killpg(proc.pid, signal.SIGTERM if signum == getattr(signal, "SIGUSR1", None) else signum)
-        except ProcessLookupError:
-            pass
 
-    forwarded = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
-    previous = {sig: signal.signal(sig, forward) for sig in forwarded}
-    output = LauncherOutput(sys.stderr, terminal=sys.stderr.isatty()) if relay else None
-    try:
-        if output is not None:
-            output.feed_stream(proc.stderr.fileno())
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a launcher that already exited
-        except (ProcessLookupError, PermissionError):
-            pass
-    if output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
-        culprit = output.culprit()
-        death = describe_worker_death(*culprit, full_env.get(MEMORY_NOTE_ENV, "")) if culprit else None
-        if death:
-            sys.stderr.write(f"error: {death} (each rank's log is in output_dir/logs/)\n")
-        else:
-            sys.stderr.write(f"error: training failed (launcher exit code {code}); each rank's log is in output_dir/logs/\n")
-    if output is not None and code != 0:
-        code = output.worker_code() or code
-    return code
+def run_subprocess(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run the launcher in its own process group and take the whole group down with us.
+
+    Ctrl-C and SIGTERM are forwarded to the group (the launcher relays them to its workers), SIGUSR1 as SIGTERM;
+    if this process is killed outright, the launcher gets SIGKILL from the kernel, and each
+    worker in turn dies with its launcher. A multi-process launcher's stderr is relayed without
+    torchrun's failure block (unless --verbose): a failing worker prints one line naming its log.
+    """
+    return start_subprocess(command, env).wait()
 
 
 def launch(plan: LaunchPlan, runner: Callable[[Sequence[str], dict[str, str]], int] = run_subprocess) -> int:
     write_plan_files(plan)
     return runner(plan.command, plan.env)
+
+
+def start_launch(plan: LaunchPlan) -> Running:
+    """The plan's launcher started now, its output held back until Running.release() or wait()."""
+    write_plan_files(plan)
+    return start_subprocess(plan.command, plan.env, hold=True)

@@ -122,6 +122,24 @@ def test_on_a_terminal_a_workers_line_never_runs_into_this_processs_own_bar():
         assert screen_of(sink.getvalue()) == expected
 
 
+def test_a_tqdm_bar_that_ends_is_not_drawn_again_below_its_last_state():
+    """lm-eval's bars in the eval ranks ("\rdesc: N%|...| k/n" at each update, a newline after the last): the last
+    state arrives as a line, and the bar it completes was drawn again below it, stale ('Running generate_until
+    requests: 71%' under its own 100%). Another process's line still goes above a bar that is still running."""
+    sink = io.StringIO()
+    relay = LauncherOutput(sink, terminal=True)
+    read, write = os.pipe()
+    bar = "Running generate_until requests: {:>3}%|{:<10}| {}/24 [00:00<00:00, 49.74it/s]"
+    os.write(write, ("\r  0%|          | 0/100\r 46%|####      | 46/100\r" + "rank 1: a warning\n" +
+                     "100%|##########| 100/100\n" +
+                     "".join("\r" + bar.format(p, "#" * (p // 10), n) for p, n in ((0, 0), (4, 1), (71, 17), (100, 24)))
+                     + "\n").encode())
+    os.close(write)
+    relay.feed_stream(read)
+    os.close(read)
+    assert screen_of(sink.getvalue()) == ["rank 1: a warning", "100%|##########| 100/100", bar.format(100, "#" * 10, 24)]
+
+
 def test_headline_metrics_are_declared_per_method_and_name_logged_metrics():
     from praisonai_accel.methods.base import TrainingMethod
     from praisonai_accel.methods.grpo import GRPO

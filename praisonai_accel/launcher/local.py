@@ -57,6 +57,14 @@ WORKER_EXIT_CODES = (2, 3, 4, 124, 130, 143)
 
 CLEAR_LINE = "\r\x1b[2K"  # logs.CLEAR_LINE: a piece ending in "\r" after it is the line a terminal redraws in place
 _PIECES = re.compile(r"[^\r\n]*(?:\r\n|[\r\n])")
+# a tqdm bar ("desc: 71%|███  | 17/24 [...]"): its description and total. tqdm draws "\rBAR" at each update and a
+# newline after the last, so the last state arrives as a line: the bar it completes is no longer on screen.
+_TQDM = re.compile(r"^(.*?)\s*\d+%\|[^|]*\|\s*\d+/(\S+)")
+
+
+def _bar_key(text: str) -> tuple[str, str] | None:
+    match = _TQDM.match(text.removeprefix("\x1b[2K").strip("\r\n"))
+    return match.groups() if match else None
 
 
 class LauncherOutput:
@@ -141,6 +149,8 @@ class LauncherOutput:
         if self._dropped(line):
             return
         self.worker_error = self.worker_error or line.startswith("error: ")
+        if self.bar and _bar_key(line) is not None and _bar_key(line) == _bar_key(self.bar):
+            self.bar = ""  # the bar's own last state (tqdm closed it), not a line to draw it again below
         self.sink.write(f"{CLEAR_LINE}{line}{CLEAR_LINE}{self.bar}" if self.bar
                         else f"{CLEAR_LINE}{line}" if self.terminal else piece)
         self.sink.flush()

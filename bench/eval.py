@@ -2,6 +2,7 @@
 per second at 1 and 2 processes on the same local tasks and model.
 
     python bench/eval.py --work DIR [--hidden 256 --layers 4 --mc-docs 200 --gen-docs 48 --batch-size 16 --device cpu]
+                         [--repeat 3]
 
 The model is the tiny Llama at --hidden/--layers with random weights and a random LoRA adapter (r16, q/v/o); the
 tasks are local YAML tasks: a multiple-choice one (--mc-docs documents x 4 choices = loglikelihood requests) and a
@@ -9,7 +10,8 @@ generate_until/exact_match one (--gen-docs, up to 16 new tokens). Each side runs
 whole (start, imports, model load, scoring, writing), as a user waits for it; requests/s = the requests lm-eval
 builds (loglikelihood + generation) over that wall time. The peer at 2 processes is `accelerate launch -m lm_eval`,
 which on CPU runs both ranks on every request (lm-eval splits only across CUDA devices), the way the peers ship it.
-Both sides' scores are compared too: they must be equal.
+Both sides' scores are compared too: they must be equal. --repeat N runs the four commands N times, in turn, and
+takes each one's median (a shared machine's noise is a second either way).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -86,6 +89,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir, adapter, tasks = build(args.work, args.hidden, args.layers, args.mc_docs, args.gen_docs)
@@ -112,7 +116,11 @@ def main() -> None:
                       "29671"] + peer[0:] + ["--output_path", str(args.work / "peer2")],
         "ours_2": [py] + ours + ["--num-processes", "2", "--output", str(args.work / "ours2.json")],
     }
-    seconds = {name: timed(command, env) for name, command in runs.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeat):
+        for name, command in runs.items():
+            times[name].append(timed(command, env))
+    seconds = {name: statistics.median(values) for name, values in times.items()}
     peer1 = scores(json.loads(next((args.work / "peer1").rglob("results_*.json")).read_text()))
     ours1 = scores(json.loads((args.work / "ours1.json").read_text())["tuned"])
     ours2 = scores(json.loads((args.work / "ours2.json").read_text())["tuned"])
@@ -120,6 +128,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()} cores" + (" (shared)" if args.device == "cpu" else ""), "device": args.device,
         "model": {"hidden": args.hidden, "layers": args.layers}, "requests": requests, "batch_size": args.batch_size,
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "runs": {k: [round(v, 2) for v in values] for k, values in times.items()},
         "requests_per_second": {k: round(requests / v, 2) for k, v in seconds.items()},
         "ratio_1_process": round(seconds["lm_eval_1"] / seconds["ours_1"], 2),
         "ratio_2_processes": round(seconds["lm_eval_2"] / seconds["ours_2"], 2),

@@ -7,6 +7,7 @@ group, then waits for REQUEST to appear (the command writes it once every check 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..runtime.distributed import ddp_backend_kwargs, die_with_parent
 
     die_with_parent()  # a rank waiting for its request must not outlive a launcher killed outright
+    if os.environ.get("RANK", "0") != "0":  # lm-eval draws its bars on every rank: one set is enough
+        os.environ["TQDM_DISABLE"] = "1"  # read when tqdm is imported
     import datetime
 
     import torch

@@ -208,6 +208,9 @@ def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_proces
                  timeout=600, env=cpu_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "launching 2 process(es)" in result.stderr
+    # lm-eval draws its bars on every rank; rank 0's alone reach the console: its bar building tiny_mc's requests
+    # (9 documents a rank) starts once for each pass (tuned, base), not once for each rank too
+    assert result.stderr.count("| 0/9 [") == 2, result.stderr
     two = json.loads(out.read_text())
     for which in ("tuned", "base"):
         for task in ("tiny_gen", "tiny_gen_base", "tiny_mc"):

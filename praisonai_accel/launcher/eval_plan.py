@@ -46,7 +46,11 @@ class EvalLaunch:
         self.request_file, self.result_file = work / "request.json", work / "result.json"
         self.plan = plan_eval_launch(self.request_file, self.result_file, num_processes=num_processes,
                                      gpu_ids=gpu_ids, cpu=cpu, work_dir=work)
-        self._running = start_launch(self.plan)
+        try:
+            self._running = start_launch(self.plan)
+        except BaseException:
+            self._work.cleanup()
+            raise
         self._ran = False
 
     def run(self, request_json: str) -> tuple[int, dict | None]:

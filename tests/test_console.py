@@ -140,6 +140,31 @@ def test_a_tqdm_bar_that_ends_is_not_drawn_again_below_its_last_state():
     assert screen_of(sink.getvalue()) == ["rank 1: a warning", "100%|##########| 100/100", bar.format(100, "#" * 10, 24)]
 
 
+def test_a_relay_that_fails_still_drains_the_workers_pipe_and_its_error_is_raised():
+    """The launcher's stderr is relayed on a thread: where our own stderr fails (a closed pipe, a full disk), the
+    thread keeps reading the workers' pipe (a full pipe would block them for good) and wait() raises the error."""
+    import subprocess
+    import sys
+
+    from praisonai_accel.launcher.local import HeldSink, Running
+
+    class Broken:
+        def write(self, _text):
+            raise BrokenPipeError("stderr closed")
+
+        def flush(self):
+            pass
+
+    writer = "import sys\nfor _ in range(4000): sys.stderr.write('x' * 99 + '\\n')"  # 400 kB: a pipe holds 64
+    proc = subprocess.Popen(["timeout", "60", sys.executable, "-c", writer], stderr=subprocess.PIPE,
+                            start_new_session=True)  # blocked for good, it would end at 60 s with 124
+    sink = HeldSink(Broken())
+    running = Running(proc, {}, LauncherOutput(sink), sink)
+    with pytest.raises(BrokenPipeError):
+        running.wait()
+    assert proc.returncode == 0  # it wrote everything: nothing blocked it
+
+
 def test_headline_metrics_are_declared_per_method_and_name_logged_metrics():
     from praisonai_accel.methods.base import TrainingMethod
     from praisonai_accel.methods.grpo import GRPO

@@ -222,12 +222,20 @@ def test_two_processes_give_the_same_numbers_and_pass_the_gate(setup, one_proces
 
 
 def _ranks(where: Path) -> list[int]:
-    """The eval ranks (not their launcher) whose command line names a path under `where`."""
+    """The eval ranks (not their launcher, whose command line names the module too) under `where`."""
     import subprocess
 
     found = subprocess.run(["pgrep", "-f", f"praisonai_accel.evaluate.worker {where}"], capture_output=True,
                            text=True).stdout.split()
-    return [int(pid) for pid in found]
+    ranks = []
+    for pid in found:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone since
+            continue
+        if b"accelerate.commands.launch" not in command:
+            ranks.append(int(pid))
+    return ranks
 
 
 def _early_ranks(setup, tmp_path):
@@ -248,9 +256,30 @@ def _early_ranks(setup, tmp_path):
         env={**cpu_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while len(_ranks(tmp_path)) < 2:
-        assert command.poll() is None and time.monotonic() < deadline, command.communicate()
+        if command.poll() is not None or time.monotonic() > deadline:
+            command.kill()
+            raise AssertionError(command.communicate(timeout=60))
         time.sleep(0.1)
     return command, fifo
+
+
+def _write_when_read(fifo: Path, text: str, seconds: float = 120) -> None:
+    """Write to the FIFO once the command opens it to read (never blocking: a command that never reads fails)."""
+    import errno
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    os.write(fd, text.encode())
+    os.close(fd)
 
 
 def _gone(where: Path, seconds: float = 20) -> bool:
@@ -266,7 +295,7 @@ def test_ranks_started_early_are_cancelled_when_a_check_fails(setup, tmp_path):
     """The ranks start while the command still checks its input and wait for the request; a check that fails then
     kills them (nothing loaded): the check's one line, exit 2, no rank left, the launch's files removed."""
     command, fifo = _early_ranks(setup, tmp_path)
-    fifo.write_text("task: [unclosed\n")
+    _write_when_read(fifo, "task: [unclosed\n")
     _, stderr = command.communicate(timeout=120)
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert command.returncode == 2 and len(lines) == 1, stderr
@@ -277,7 +306,7 @@ def test_ranks_started_early_are_cancelled_when_a_check_fails(setup, tmp_path):
 def test_ranks_waiting_for_a_command_killed_outright_die_with_it(setup, tmp_path):
     command, _ = _early_ranks(setup, tmp_path)
     command.kill()  # SIGKILL: no handler of ours runs; the kernel takes the launcher, the launcher's death the ranks
-    command.communicate()
+    command.communicate(timeout=60)
     assert _gone(tmp_path), "a rank outlived the command that started it"
 
 

@@ -173,7 +173,9 @@ def _score(request, ranks, gpu_ids, cpu: bool, manager) -> dict:
         device = "cpu" if cpu else (f"cuda:{gpu_ids[0]}" if gpu_ids else None)
         return score(request, manager=manager, device=device)
     typer.echo(f"launching {ranks.plan.num_processes} process(es)", err=True)
-    code, result = ranks.run(request.to_json())
+    code, result, said = ranks.run(request.to_json())
     if code != 0 or result is None:
+        if said:  # a rank's own "error:" line is the one line
+            raise typer.Exit(code or 1)
         fail(f"the evaluation failed (exit code {code})", code=code or 1)
     return result

@@ -13,16 +13,21 @@ import time
 from pathlib import Path
 
 
-def wait_for(path: Path, poll: float = 0.02) -> Path:
+def wait_for(path: Path, launcher: int, poll: float = 0.02) -> Path:
+    """Until `path` appears; a rank whose launcher is gone (reparented: the kernel's death signal was set too late,
+    or never reached it) leaves instead of waiting for a request that cannot come."""
     while not path.exists():
+        if os.getppid() != launcher:
+            raise SystemExit(1)
         time.sleep(poll)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..runtime.distributed import ddp_backend_kwargs, die_with_parent
+    from ..runtime.exit import die_with_parent  # imports nothing heavy: the death signal is set first
 
     die_with_parent()  # a rank waiting for its request must not outlive a launcher killed outright
+    launcher = os.getppid()
     if os.environ.get("RANK", "0") != "0":  # lm-eval draws its bars on every rank: one set is enough
         os.environ["TQDM_DISABLE"] = "1"  # read when tqdm is imported
     import datetime
@@ -30,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
+
+    from ..runtime.distributed import ddp_backend_kwargs
 
     from ..atomic import write_text_atomic
     from ..logs import show_progress_lines
@@ -44,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     # rank waits here for the command's checks (a Hub task's data may take minutes to fetch)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[
         InitProcessGroupKwargs(timeout=datetime.timedelta(hours=24), **ddp_backend_kwargs())])
-    request = EvalRequest.from_json(wait_for(Path(request_file)).read_text())
+    request = EvalRequest.from_json(wait_for(Path(request_file), launcher).read_text())
 
     result = score(request, accelerator)
     if accelerator.is_main_process:

@@ -51,20 +51,21 @@ class EvalLaunch:
         except BaseException:
             self._work.cleanup()
             raise
-        self._ran = False
 
-    def run(self, request_json: str) -> tuple[int, dict | None]:
-        """(the launcher's exit code, rank 0's result or None): the request handed to the waiting ranks."""
-        self._ran = True
+    def run(self, request_json: str) -> tuple[int, dict | None, bool]:
+        """(the launcher's exit code, rank 0's result or None, whether a rank said what failed): the request handed
+        to the waiting ranks."""
         write_text_atomic(self.request_file, request_json)
-        code = self._running.wait()
+        code = self._running.wait(report=False)
         result = json.loads(self.result_file.read_text()) if self.result_file.is_file() else None
-        return code, result
+        return code, result, self._running.worker_error
 
     def __enter__(self) -> "EvalLaunch":
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self._ran:
-            self._running.cancel()
-        self._work.cleanup()
+        try:
+            if self._running.proc.poll() is None:  # not run, or left early: a check failed, Ctrl-C, an error
+                self._running.cancel()
+        finally:
+            self._work.cleanup()

@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from ..runtime.distributed import die_with_parent
+from ..runtime.exit import die_with_parent
 from ..runtime.handoff import MEMORY_NOTE_ENV, TTY_ENV, VERBOSE_ENV
 from .plan import LaunchPlan, write_plan_files
 
@@ -59,7 +59,7 @@ CLEAR_LINE = "\r\x1b[2K"  # logs.CLEAR_LINE: a piece ending in "\r" after it is 
 _PIECES = re.compile(r"[^\r\n]*(?:\r\n|[\r\n])")
 # a tqdm bar ("desc: 71%|███  | 17/24 [...]"): its description and total. tqdm draws "\rBAR" at each update and a
 # newline after the last, so the last state arrives as a line: the bar it completes is no longer on screen.
-_TQDM = re.compile(r"^(.*?)\s*\d+%\|[^|]*\|\s*\d+/(\S+)")
+_TQDM = re.compile(r"^(.*?)\s*\d+%\|[^|]*\|\s*[\d.]+[A-Za-z]*/(\S+)")
 
 
 def _bar_key(text: str) -> tuple[str, str] | None:
@@ -214,41 +214,63 @@ class Running:
     def __init__(self, proc: subprocess.Popen, env: dict[str, str], output: LauncherOutput | None,
                  sink: HeldSink | None):
         self.proc, self.env, self.output, self.sink = proc, env, output, sink
-        self._relay = None
+        self._relay, self._relay_error = None, None
         if output is not None:
-            self._relay = threading.Thread(target=output.feed_stream, args=(proc.stderr.fileno(),), daemon=True)
+            self._relay = threading.Thread(target=self._relay_stream, args=(proc.stderr.fileno(),), daemon=True)
             self._relay.start()
+
+    def _relay_stream(self, fd: int) -> None:
+        try:
+            self.output.feed_stream(fd)
+        except BaseException as exc:  # our stderr gone (a closed pipe, a full disk): raised again by wait()
+            self._relay_error = exc
+            try:  # the pipe still drained, or the workers would block writing to it
+                while os.read(fd, 65536):
+                    pass
+            except OSError:
+                pass
+
+    @property
+    def worker_error(self) -> bool:
+        """Whether a worker said what failed itself (an 'error:' line)."""
+        return self.output is not None and self.output.worker_error
 
     def release(self) -> None:
         """Show what the launcher has written so far, and from now on as it comes."""
         if self.sink is not None:
             self.sink.release()
 
-    def cancel(self) -> None:
-        """Kill the whole group and drop what it wrote (it was started early and is no longer wanted)."""
+    def cancel(self, grace: float = 10.0) -> None:
+        """Stop the launcher and its workers and drop what they wrote (started early, no longer wanted). torchrun
+        starts each worker in a session of its own, out of reach of a signal to the launcher's group: SIGTERM first
+        lets its agent stop them, then SIGKILL for whatever is left."""
         if self.sink is not None:
             self.sink.discard()
-        self._kill()
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)
         self.proc.wait()
         if self._relay is not None:
-            self._relay.join()
+            self._relay.join(timeout=grace)  # a worker that still holds the pipe is not waited for
 
-    def _kill(self) -> None:
+    def _signal(self, signum: int) -> None:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
 
-    def wait(self) -> int:
+    def wait(self, report: bool = True) -> int:
+        """The launcher's exit code (a failed worker's own code where it chose one). `report`: name how a worker
+        died, in one line, where no worker said it."""
         proc, output = self.proc, self.output
 
         def forward(signum, _frame):
             # SLURM's warning before a preemption (--signal=USR1@N) reaches us; torchrun's agent would die of it, so
             # the group gets a SIGTERM: the workers save their last finished step and exit 143.
-            try:
-                os.killpg(proc.pid, signal.SIGTERM if signum == getattr(signal, "SIGUSR1", None) else signum)
-            except ProcessLookupError:
-                pass
+            self._signal(signal.SIGTERM if signum == getattr(signal, "SIGUSR1", None) else signum)
 
         self.release()
         forwarded = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
@@ -260,8 +282,10 @@ class Running:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._kill()  # stragglers of a launcher that already exited
-        if output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
+            self._signal(signal.SIGKILL)  # stragglers of a launcher that already exited
+        if self._relay_error is not None:
+            raise self._relay_error
+        if report and output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
             culprit = output.culprit()
             death = describe_worker_death(*culprit, self.env.get(MEMORY_NOTE_ENV, "")) if culprit else None
             if death:

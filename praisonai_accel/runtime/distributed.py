@@ -7,7 +7,6 @@ here imports torch, so it is cheap to use before the heavy imports.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -94,26 +93,6 @@ def mark_unsloth_ddp(env: DistEnv, environ: dict | None = None) -> None:
     environ = os.environ if environ is None else environ
     if env.is_distributed:
         environ[UNSLOTH_DDP_FLAG] = "1"
-
-
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when its launcher dies, even by SIGKILL.
-
-    Without it, killing `accelerate launch` leaves the workers training on their own. A graceful
-    stop still arrives as SIGTERM forwarded by the launcher; this covers the ungraceful one.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def ddp_backend_kwargs(environ: Mapping[str, str] | None = None) -> dict:

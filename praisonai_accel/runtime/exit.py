@@ -1,9 +1,10 @@
-"""Leaving a process that imported torch, once its work is written."""
+"""How a process ends: leaving one that imported torch once its work is written, and dying with its launcher."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 
@@ -29,3 +30,23 @@ def exit_without_teardown(code: int | str | None, exit_handlers: bool = True) ->
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its launcher dies, even by SIGKILL.
+
+    Without it, killing `accelerate launch` leaves the workers training on their own. A graceful
+    stop still arrives as SIGTERM forwarded by the launcher; this covers the ungraceful one.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -21,7 +21,8 @@ from ..publish.hub import HubPublisher
 from ..publish.ollama import publish
 from ..run_dir.checkpoints import latest_complete
 from ..run_dir.lock import RunLocked, lock_for_worker, release_worker_lock
-from ..runtime.distributed import DistEnv, die_with_parent
+from ..runtime.distributed import DistEnv
+from ..runtime.exit import die_with_parent
 from ..errors import first_line
 from ..runtime.handoff import VERBOSE_ENV, HandoffFailed
 from ..logs import FILE_ONLY, console_logging, log_to_file

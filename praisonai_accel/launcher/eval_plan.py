@@ -37,8 +37,9 @@ def plan_eval_launch(request_file: Path, result_file: Path, *, num_processes: in
 
 
 class EvalLaunch:
-    """N eval ranks started now, waiting for their request. As a context manager: cancelled (killed, their output
-    dropped) when the block ends before run() was called, by a failed check, Ctrl-C or any error."""
+    """N eval ranks started now, waiting for their request. As a context manager: cancelled (stopped, their output
+    dropped) when the block ends with the launcher still running: a failed check, Ctrl-C or any error before run()
+    has waited for it."""
 
     def __init__(self, num_processes: int, gpu_ids: list[int] | None, cpu: bool):
         self._work = tempfile.TemporaryDirectory(prefix="praisonai-accel-eval-")

@@ -285,7 +285,8 @@ class Running:
             self._signal(signal.SIGKILL)  # stragglers of a launcher that already exited
         if self._relay_error is not None:
             raise self._relay_error
-        if report and output is not None and code != 0 and not output.worker_error and code not in (130, -signal.SIGINT):
+        interrupted = code in (130, -signal.SIGINT)
+        if report and output is not None and code != 0 and not output.worker_error and not interrupted:
             culprit = output.culprit()
             death = describe_worker_death(*culprit, self.env.get(MEMORY_NOTE_ENV, "")) if culprit else None
             if death:

@@ -7,7 +7,6 @@ here imports torch, so it is cheap to use before the heavy imports.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 

@@ -128,6 +128,27 @@ def vision_rule(config: TrainConfig, takes_images: bool | None) -> None:
                           f"no image processor is saved with it); remove {', '.join(written)}")
 
 
+def offload_embedding_rule(config: TrainConfig, model_config=None, distributed_type: str | None = None) -> None:
+    """offload_embedding keeps a frozen, untied input embedding in host memory (models/host_embedding.py): not a
+    trained one (full), one FSDP would shard, a model a device_map places, or a table the LM head shares.
+    `model_config`: the model's (None where the CLI cannot read it; the worker checks it once loaded)."""
+    if not config.offload_embedding:
+        return
+    if config.finetune_type == "full":
+        raise ConfigError("offload_embedding: the embedding trains under finetune_type: full and stays on the GPU; "
+                          "use lora or qlora, or remove offload_embedding")
+    if str(distributed_type).upper() == "FSDP":
+        raise ConfigError("offload_embedding: FSDP shards the embedding with the rest of the model; remove "
+                          "offload_embedding or --fsdp")
+    if config.device_map not in (None, "cuda"):
+        raise ConfigError("offload_embedding: device_map places the model itself; remove offload_embedding or "
+                          "device_map")
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if config.model_head != "sequence-classification" and getattr(text, "tie_word_embeddings", False):
+        raise ConfigError(f"offload_embedding: {config.model_name} ties its input embedding to the LM head, which "
+                          "every token's logits need on the GPU; remove offload_embedding")
+
+
 def method_rule(config: TrainConfig) -> None:
     """The training method's own rules (methods/base.TrainingMethod.check_config), such as what GRPO's rollouts
     can do."""
@@ -140,6 +161,8 @@ RULES = (
          ("launch", "worker")),
     Rule("DeepSpeed", lambda s: deepspeed_rule(s.distributed_type, "accelerate config"), ("worker",)),
     Rule("sequence parallel", lambda s: sequence_parallel_rule(s.config, s.num_processes, s.model_config),
+         ("launch", "worker", "loaded")),
+    Rule("offload_embedding", lambda s: offload_embedding_rule(s.config, s.model_config, s.distributed_type),
          ("launch", "worker", "loaded")),
     Rule("method", lambda s: method_rule(s.config), ("launch", "worker")),
     Rule("final model directory", lambda s: final_model_dir_rule(s.config), ("launch", "worker"), reads_files=True),

@@ -201,8 +201,9 @@ SLOWEST_MODULES = ["test_grpo_tools.py", "test_gguf.py", "test_checkpoint.py", "
                    "test_sequence_parallel_runs.py", "test_fsdp.py", "test_run_failures.py",
                    "test_user_experience.py", "test_features.py", "test_serve.py", "test_launch.py", "test_qlora.py",
                    "test_publish.py", "test_eval.py", "test_data_rows.py", "test_vision_runs.py", "test_security.py",
-                   "test_eval_training.py", "test_run_safety.py", "test_vision_demo.py", "test_method_registry.py",
-                   "test_preference_ddp.py", "test_grpo.py", "test_vision_publish.py", "test_eval_endpoint.py",
+                   "test_offload_embedding.py", "test_eval_training.py", "test_run_safety.py", "test_vision_demo.py",
+                   "test_method_registry.py", "test_preference_ddp.py", "test_grpo.py", "test_vision_publish.py",
+                   "test_eval_endpoint.py",
                    "test_eval_rewards.py"]
 
 

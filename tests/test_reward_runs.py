@@ -1,7 +1,8 @@
 """Reward models through the CLI, with real processes (the in-process proofs are test_reward.py):
 
-- LoRA, margin column and centring on: 2 processes x B give the adapter and score head of 1 process x 2B, and a
-  run SIGKILLed mid-way resumes to exactly the uninterrupted 2-process run;
+- LoRA, margin column and centring on: 2 processes x B (with offload_embedding: the table in host memory, DDP told
+  to leave it alone) give the adapter and score head of 1 process x 2B (without), and a run SIGKILLed mid-way
+  resumes to exactly the uninterrupted 2-process run;
 - full fine-tuning under --fsdp runs, evaluates eval_accuracy and keeps the best; the saved model, loaded with plain
   transformers, gives the rewards `praisonai-accel score` prints;
 - GRPO with reward_funcs: [model:PATH] (a reward model that likes vowels) raises its logged reward, and the
@@ -54,9 +55,11 @@ def test_2_processes_x_B_equal_1_x_2B_and_a_sigkilled_run_resumes_exactly(tmp_pa
     exact = dict(max_steps=6, lora_r=8, lora_alpha=16, learning_rate=1e-3)
     runs = {}
     for name, flags, batch in (("2xB", TWO, 2), ("1x2B", ("--cpu",), 4)):
+        # the two processes keep the embedding table in host memory (DDP told to leave it alone): the same run
         result = cli("train", str(_config(tmp_path / name, tiny_model, pairs, per_device_train_batch_size=batch,
-                                          **exact)), *flags)
+                                          offload_embedding=name == "2xB", **exact)), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
+        assert ("kept in host memory (offload_embedding)" in result.stderr) == (name == "2xB")
         runs[name] = tmp_path / name / "out"
     a, b = (load_adapter(runs[n] / "lora_model") for n in ("2xB", "1x2B"))
     assert any("score" in k for k in a), sorted(a)  # the head trains in full and is saved with the adapter
@@ -78,7 +81,8 @@ def test_2_processes_x_B_equal_1_x_2B_and_a_sigkilled_run_resumes_exactly(tmp_pa
     assert [float(x) for x in scores[0].stdout.split()] == pytest.approx([float(x) for x in scores[1].stdout.split()],
                                                                          abs=1e-4)
 
-    config = _config(tmp_path / "killed", tiny_model, pairs, per_device_train_batch_size=2, save_steps=1, **exact)
+    config = _config(tmp_path / "killed", tiny_model, pairs, per_device_train_batch_size=2, save_steps=1,
+                     offload_embedding=True, **exact)
     out = tmp_path / "killed" / "out"
     proc = start(config, *TWO)
     wait_for_step(out, 3, proc, timeout=300)

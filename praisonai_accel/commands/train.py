@@ -57,13 +57,15 @@ def train_command(
     on_gpus = not cpu and (per_node > 1 or nodes.count > 1) and accelerate_config is None
     precision = resolve_mixed_precision(cfg.mixed_precision, on_gpus, on_gpus and gpu_has_bf16())
     processes, here = per_node * nodes.count, per_node
+    sharded = fsdp
     if accelerate_config is not None:
         accel = read_accelerate_config(accelerate_config)
         processes = total_processes(accel)
         here = max(1, processes // int(accel.get("num_machines", 1) or 1))
+        sharded = str(accel.get("distributed_type", "")).upper() == "FSDP"
 
     inputs = model_inputs(cfg)
-    start = check_launch(cfg, processes, dry_run=dry_run, inputs=inputs)
+    start = check_launch(cfg, processes, dry_run=dry_run, inputs=inputs, fsdp=sharded)
     status = None if dry_run else cfg.output_path() / "logs" / f".preprocessing-{uuid.uuid4().hex}.json"
     handoff = worker_environment(verbose=verbose, preprocessing_status=status, run_lock=not dry_run,
                                  checked_checkpoints=verdicts(),

@@ -117,6 +117,12 @@ class FinetuneKeys(BaseModel):
     use_rslora: bool = Field(
         default=False, description="Rank-stabilized LoRA (peft's use_rslora): updates scaled by lora_alpha / "
                                    "sqrt(lora_r) instead of lora_alpha / lora_r, for high ranks.")
+    offload_embedding: bool = Field(
+        default=False, description="unsloth's offload_embedding: under lora or qlora the frozen input embedding table "
+                                   "stays in host memory; each step looks up its tokens' rows on the CPU and moves "
+                                   "only those to the GPU (a 128k x 4096 table is 1 GB of GPU memory in bf16, 2 GB "
+                                   "under qlora). Not with finetune_type: full, an embedding tied to the LM head, "
+                                   "--fsdp or a device_map.")
 
 
 class OptimizerKeys(BaseModel):

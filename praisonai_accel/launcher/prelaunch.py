@@ -139,13 +139,15 @@ _MACHINE_CHECKS: tuple[tuple[str, Callable[[Situation], None] | None, bool], ...
 
 
 def check_launch(config, num_processes: int, here: bool = True, dry_run: bool = False,
-                 inputs: ModelInputs | None = None) -> str:
+                 inputs: ModelInputs | None = None, fsdp: bool = False) -> str:
     """The one pass before any process starts; returns where the run starts (resume or fresh), as far as this
     machine can tell. `here`: the training sees this machine's files and Python environment (train, --ray, slurm);
     False for a Kubernetes manifest, where only the config's own rules are checked. `inputs`: what the model takes,
-    as the caller decided it (data/vision_processor.model_inputs)."""
-    model_config = local_model_config(config) if here and config.sequence_parallel_size > 1 else None
-    situation = Situation(config, num_processes, "launch", sees_files=here, model_config=model_config, inputs=inputs)
+    as the caller decided it (data/vision_processor.model_inputs). `fsdp`: --fsdp."""
+    reads_model = config.sequence_parallel_size > 1 or config.offload_embedding
+    model_config = local_model_config(config) if here and reads_model else None
+    situation = Situation(config, num_processes, "launch", sees_files=here, model_config=model_config, inputs=inputs,
+                          distributed_type="FSDP" if fsdp else None)
     for _name, check, not_on_dry_run in _MACHINE_CHECKS:
         if check is None:
             check_run(situation)

@@ -18,6 +18,7 @@ from ..data import ensure_chat_template, load_tokenizer
 from ..data.vision_processor import ModelInputs
 from ..runtime.distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 from . import vision as vision_model
+from .host_embedding import keep_on_host
 from .vision import unquantized_modules
 
 SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (methods/base.py): a reward model
@@ -127,6 +128,7 @@ def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unslo
         device_map=device_map if device_map is not None else "sequential",
         revision=config.revision,
         trust_remote_code=config.trust_remote_code,
+        **({"offload_embedding": True} if config.offload_embedding else {}),  # unsloth's own, by the same name
     )
     if config.uses_lora:
         model = fast.get_peft_model(model, **lora_settings(config), random_state=config.seed,
@@ -172,6 +174,9 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     kwargs: dict[str, Any] = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
+    place_on = None  # offload_embedding: loaded in host memory, then all but the embedding table moves here
+    if config.offload_embedding and config.uses_lora and config.finetune_type != "qlora" and device_map is not None:
+        place_on, device_map = device_map.get("") if isinstance(device_map, dict) else device_map, None
     if device_map is not None:
         kwargs["device_map"] = device_map
     if config.finetune_type == "qlora":
@@ -182,6 +187,11 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision:
     if reward:
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     model = auto_class.from_pretrained(config.model_name, **kwargs)
+    if config.offload_embedding and config.uses_lora:  # before peft's upcast (QLoRA), so that happens on the host
+        keep_on_host(model)
+        table = model.get_input_embeddings().weight
+        log.info("embedding: %s x %s (%.0f MiB) kept in host memory (offload_embedding)", f"{table.shape[0]:,}",
+                 f"{table.shape[1]:,}", table.numel() * table.element_size() / 2**20)
     if vision:
         vision_model.freeze(model, config)
     checkpointing = bool(config.use_gradient_checkpointing)
@@ -203,6 +213,8 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision:
         # SEQ_CLS: peft trains the score head in full (modules_to_save) and saves it with the adapter
         model = get_peft_model(model, LoraConfig(**lora_settings(config), **scope,
                                                  task_type="SEQ_CLS" if reward else "CAUSAL_LM"))
+    if place_on is not None:
+        model.to(f"cuda:{place_on}" if isinstance(place_on, int) else place_on)
     model.config.use_cache = False
     return model
 

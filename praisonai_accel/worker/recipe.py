@@ -26,6 +26,7 @@ from ..runtime.distributed import DistEnv, fsdp_requested, gpu_has_bf16
 from ..runtime.handoff import VERBOSE_ENV
 from ..logs import quiet_libraries
 from ..methods import method_for
+from ..models.host_embedding import ddp_ignore_host_tensors
 from ..models.loading import (
     choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
     uses_reentrant_checkpointing,
@@ -139,6 +140,7 @@ class Recipe:
             self._check_every_trainable_parameter_learns(loss_module, train_data)
         apply_to_model(config, model, self.sp, self.tokenizer.pad_token_id)
         optimizer = build_optimizer(config, loss_module)
+        ddp_ignore_host_tensors(loss_module)  # offload_embedding's table: on the CPU, the same on every rank
         self.model, self.optimizer, self.loader = prepare(accelerator, loss_module, optimizer, loader, self.sp)
         prepared = self.method.before_training(accelerator, self.model, train_data, self.collate, self.output_dir)
         if prepared is not train_data:  # the method attached what it computed once (reference log-probs)

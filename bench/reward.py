@@ -10,8 +10,10 @@ loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs w
 full (modules_to_save), AdamW at the same learning rate, batch --batch pairs, fp32 on CPU, each in a fresh process
 (peak RSS is that process's ru_maxrss, step time the median of the steps after the first two). --gpu: one CUDA GPU,
 bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's RewardMethod (encode, collate) and
-RewardLoss in a plain AdamW loop (what the recipe drives), against the whole of RewardTrainer's step; "ours-unshared"
-the same with prefix_sharing off (chosen and rejected as rows of their own, as TRL has them). Gradient
+RewardLoss in a plain AdamW loop (what the recipe drives) with offload_embedding: true (the frozen 128k-row table in
+host memory, models/host_embedding.py), against the whole of RewardTrainer's step; "ours-unshared" the same with
+prefix_sharing off (chosen and rejected as rows of their own, as TRL has them); "ours-table-on-device" the same as
+ours with the table on the device (offload_embedding: false; on CPU the two hold the same memory). Gradient
 checkpointing (non-reentrant) is on for both sides by default, as RewardConfig has it (--checkpointing).
 
 Accuracy (--accuracy): the reward demo's task (commands/demo_reward.py: the names reversed, chosen, or left in the
@@ -37,15 +39,21 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from dpo import LORA_TARGETS, WARMUP, _peak_mib, _sync, make_pairs  # noqa: E402
 
+SIDES = ("ours", "ours-unshared", "ours-table-on-device", "trl")
 
-def _classifier(path, tokenizer, lora_targets, gpu: bool, checkpointing: bool = False):
+
+def _classifier(path, tokenizer, lora_targets, gpu: bool, checkpointing: bool = False, offload: bool = False):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
 
+    from praisonai_accel.models.host_embedding import keep_on_host
+
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if offload:  # offload_embedding: true, as models/loading.py applies it: loaded on the host, the table stays there
+        keep_on_host(model)
     if checkpointing:  # as the recipe does for use_gradient_checkpointing: true, and RewardTrainer by default
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -67,8 +75,9 @@ def run_ours(args) -> dict:
     method = RewardMethod(config)
     pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     examples = [method.encode(p, "paired", tokenizer, config) for p in pairs]
-    module = RewardLoss(_classifier(args.model, tokenizer, LORA_TARGETS, args.gpu, args.checkpointing == "on"),
-                        None, prefix_sharing=args.child == "ours").train()
+    model = _classifier(args.model, tokenizer, LORA_TARGETS, args.gpu, args.checkpointing == "on",
+                        offload=args.child in ("ours", "ours-unshared"))
+    module = RewardLoss(model, None, prefix_sharing=args.child != "ours-unshared").train()
     device = "cuda" if args.gpu else "cpu"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
@@ -154,7 +163,7 @@ def speed(args) -> None:
     results, env = {}, {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not args.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("ours", "ours-unshared", "trl"):
+    for name in SIDES:
         command = [sys.executable, __file__, "--child", name, "--model", str(model), "--data", str(data), "--out",
                    str(work), "--work", str(work), "--batch", str(args.batch), "--steps", str(args.steps),
                    "--length", str(args.length), "--lr", str(args.lr), "--checkpointing", args.checkpointing] + (
@@ -176,12 +185,15 @@ def speed(args) -> None:
         "step_time_ratio_unshared": (results["ours-unshared"]["median_step_seconds"]
                                      / results["trl"]["median_step_seconds"]),
         "peak_rss_ratio_unshared": results["ours-unshared"]["peak_rss_mib"] / results["trl"]["peak_rss_mib"],
-        "ours": results["ours"], "ours-unshared": results["ours-unshared"], "trl": results["trl"],
+        "step_time_ratio_table_on_device": (results["ours-table-on-device"]["median_step_seconds"]
+                                            / results["trl"]["median_step_seconds"]),
+        "peak_rss_ratio_table_on_device": (results["ours-table-on-device"]["peak_rss_mib"]
+                                           / results["trl"]["peak_rss_mib"]),
+        **results,
     }
     (work / "reward_bench.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("shape", "step_time_ratio", "peak_rss_ratio", "step_time_ratio_unshared",
-                                              "peak_rss_ratio_unshared")}, indent=2))
-    for name in ("ours", "ours-unshared", "trl"):
+    print(json.dumps({k: v for k, v in summary.items() if k not in SIDES}, indent=2))
+    for name in SIDES:
         r = results[name]
         print(f"{name}: median step {r['median_step_seconds']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
               f"losses {[round(x, 4) for x in r['losses']]}")
@@ -246,7 +258,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", choices=["on", "off", "trl-default"], default="on",
                         help="gradient checkpointing on both sides (on, as RewardConfig defaults), off on both, or "
                              "trl-default: TRL's default (on) against ours without (how the first record was taken)")
-    parser.add_argument("--child", choices=["ours", "ours-unshared", "trl"])
+    parser.add_argument("--child", choices=SIDES)
     parser.add_argument("--model")
     parser.add_argument("--data")
     parser.add_argument("--out")

@@ -1,4 +1,5 @@
-"""QLoRA (4-bit base weights) and 8-bit AdamW for real, with bitsandbytes on CPU: 2 processes, exact resume."""
+"""QLoRA (4-bit base weights) and 8-bit AdamW for real, with bitsandbytes on CPU: 2 processes (the embedding table in
+host memory, offload_embedding), exact resume (without it: the same adapter and losses)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def bitsandbytes_available():
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory, tiny_model, alpaca_file):
     directory = tmp_path_factory.mktemp("qlora")
-    result = cli("train", str(write_config(directory, tiny_model, alpaca_file, **QLORA)), *TWO, env=bnb_env())
+    # with the embedding table in host memory (offload_embedding), which the resumed run below does without
+    config = write_config(directory, tiny_model, alpaca_file, offload_embedding=True, **QLORA)
+    result = cli("train", str(config), *TWO, env=bnb_env())
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "kept in host memory (offload_embedding)" in result.stderr
     return directory / "out", result
 
 

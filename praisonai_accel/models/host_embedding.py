@@ -70,12 +70,6 @@ def keep_on_host(model) -> None:
         torch.cuda.empty_cache()  # the table's device copy, when the model was loaded there (QLoRA)
 
 
-def shares_output_head(model) -> bool:
-    """The input embedding is also the LM head's weight (tied): every token's logits need it on the device."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head is not None and head.weight is model.get_input_embeddings().weight
-
-
 def ddp_ignore_host_tensors(module) -> list[str]:
     """Name `module`'s host-resident tensors to DDP, which would otherwise refuse parameters on two device types and
     broadcast them at start; returns the names."""

@@ -6,6 +6,7 @@
 - loaded by the worker's own loader (LoRA, gradient checkpointing, the reward head), the loss and every gradient
   equal those of the same model without it, and the merged state_dict still holds the table;
 - DDP (gloo) is told to leave the table alone, and trains;
+- a run may resume with it turned on or off (the same run);
 - the rules: full fine-tuning, --fsdp (the flag and an accelerate config), a device_map and an embedding tied to the
   LM head are refused in one line before launch (the last read from the model's own config.json).
 """
@@ -138,6 +139,13 @@ def test_what_it_cannot_keep_on_the_host_is_named(tmp_path, keys, distributed_ty
     with pytest.raises(ConfigError, match=says):
         check_run(_situation(tmp_path, distributed_type=distributed_type, **keys))
     check_run(_situation(tmp_path, method="reward"))  # the reward head: no LM head to share the table
+
+
+def test_a_run_may_resume_with_it_turned_on_or_off(tmp_path):
+    """Where the table is kept changes neither the loss nor the gradients: the same run (as chunked_loss)."""
+    on, off = _situation(tmp_path).config, _situation(tmp_path, offload_embedding=False).config
+    assert on.offload_embedding and not off.offload_embedding
+    assert on.run_fingerprint() == off.run_fingerprint() and on.fingerprint() != off.fingerprint()
 
 
 def test_a_tied_lm_head_is_refused_before_launch_and_fsdp_through_either_flag(tiny_model, tmp_path):

@@ -41,7 +41,7 @@ RESUMABLE_KEYS = {
     "early_stopping_threshold", "eval_tasks", "eval_include_path", "eval_limit", "eval_apply_chat_template",
     "final_model_dir", "dataset_num_proc", "dataset_prepared_path", "mixed_precision",
     "output_dir", "push_to_hub", "hub_model_id", "hub_strategy", "hub_private", "ollama_model", "ollama_base", "ollama_push",
-    "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "force_resume",
+    "report_to", "run_name", "plot_loss", "use_liger", "chunked_loss", "offload_embedding", "force_resume",
     "quantization_method", "save_gguf", "huggingface_save_gguf", "ollama_save",
 }
 REENTRANT_WITH_UNUSED = (

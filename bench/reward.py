@@ -7,8 +7,9 @@ accuracy on the demo task.
 Speed (default): bench/run.py's realistic model (the tiny Llama's layers at hidden 512, a 128k-token vocabulary)
 loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs whose rows take 60% to 100% of
 --length tokens; both sides train a LoRA r16 on every linear layer (lora_alpha 32, no dropout) with the score head in
-full (modules_to_save), AdamW at the same learning rate, batch --batch pairs, fp32 on CPU, each in a fresh process
-(peak RSS is that process's ru_maxrss, step time the median of the steps after the first two). --gpu: one CUDA GPU,
+full (modules_to_save), AdamW at the same learning rate with gradients clipped to norm 1.0 (since run 9), batch
+--batch pairs, fp32 on CPU, each in a fresh process (peak RSS is that process's ru_maxrss, step time the median of
+the steps after the first two). --gpu: one CUDA GPU,
 bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's RewardMethod (encode, collate) and
 RewardLoss in a plain AdamW loop (what the recipe drives) with offload_embedding: true (the frozen 128k-row table in
 host memory, models/host_embedding.py), against the whole of RewardTrainer's step; "ours-unshared" the same with
@@ -80,7 +81,8 @@ def run_ours(args) -> dict:
     module = RewardLoss(model, None, prefix_sharing=args.child != "ours-unshared").train()
     device = "cuda" if args.gpu else "cpu"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.gpu)
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
+    trained = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.lr)
     times, losses, positions = [], [], []
     for step in range(args.steps):
         batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
@@ -90,6 +92,7 @@ def run_ours(args) -> dict:
         with autocast:
             loss_sum, _ = module(**data)
         (loss_sum / method.units(data)).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)  # max_grad_norm: 1.0, the recipe's default and RewardConfig's
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(args.gpu)

@@ -133,7 +133,8 @@ def test_the_lock_is_held_for_the_run_and_released_at_its_end(tmp_path, tiny_mod
                 "-m", "praisonai_accel.train", str(config)]
     proc = subprocess.Popen(torchrun, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not (out / LOCK_NAME).exists() and proc.poll() is None and time.time() < deadline:
+    # written under flock after the file is created: a reader that does not take the lock may see it empty
+    while not _text(out / LOCK_NAME) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     held = json.loads((out / LOCK_NAME).read_text())
     assert held["host"] == socket.gethostname() and held["job"].startswith("torchrun:")
@@ -145,6 +146,13 @@ def test_the_lock_is_held_for_the_run_and_released_at_its_end(tmp_path, tiny_mod
                  "--num-processes", "2")
     assert result.returncode == 0 and "warning" not in result.stderr, result.stderr[-3000:]
     assert not (out / LOCK_NAME).exists()
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
 
 
 def psutil_parent(pid: int) -> int | None:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -102,7 +101,7 @@ def test_through_the_workers_loader_the_loss_and_gradients_are_the_models_own(ti
     assert torch.equal(outs[False][2]["model.embed_tokens.weight"], outs[True][2]["model.embed_tokens.weight"])
 
 
-def test_ddp_leaves_the_table_alone_and_trains(tiny_model, tmp_path):
+def test_ddp_leaves_the_table_alone_and_trains(tiny_model, tmp_path, monkeypatch):
     from torch.nn.parallel import DistributedDataParallel
 
     model, _ = _worker_model(tiny_model, tmp_path, True)
@@ -111,7 +110,8 @@ def test_ddp_leaves_the_table_alone_and_trains(tiny_model, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(model)

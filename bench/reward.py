@@ -10,7 +10,10 @@ loaded as a one-label sequence classifier; bench/dpo.py's conversational pairs w
 full (modules_to_save), AdamW at the same learning rate with gradients clipped to norm 1.0 (since run 9), batch
 --batch pairs, fp32 on CPU, each in a fresh process (peak RSS is that process's ru_maxrss, step time the median of
 the steps after the first two). --gpu: one CUDA GPU,
-bf16 autocast, memory = peak GPU allocated. "Ours" is methods/reward.py's RewardMethod (encode, collate) and
+bf16 autocast, memory = peak GPU allocated over the process, loading included, and over the training steps alone
+(train_peak_mib: ours from its first step, TRL's from on_train_begin, the model on the GPU in both; ours loads onto
+the GPU as the recipe does, and with offload its table then leaves). "Ours" is methods/reward.py's RewardMethod
+(encode, collate) and
 RewardLoss in a plain AdamW loop (what the recipe drives) with offload_embedding: true (the frozen 128k-row table in
 host memory, models/host_embedding.py), against the whole of RewardTrainer's step; "ours-unshared" the same with
 prefix_sharing off (chosen and rejected as rows of their own, as TRL has them); "ours-table-on-device" the same as
@@ -51,9 +54,10 @@ def _classifier(path, tokenizer, lora_targets, gpu: bool, checkpointing: bool = 
     from praisonai_accel.models.host_embedding import keep_on_host
 
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    placed = {"device_map": {"": 0}} if gpu else {}  # where the recipe loads it (models/loading.py): on its GPU
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, **placed)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if offload:  # offload_embedding: true, as models/loading.py applies it: loaded on the host, the table stays there
+    if offload:  # offload_embedding: true, as models/loading.py applies it: the table leaves the GPU once loaded
         keep_on_host(model)
     if checkpointing:  # as the recipe does for use_gradient_checkpointing: true, and RewardTrainer by default
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -84,6 +88,9 @@ def run_ours(args) -> dict:
     trained = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=args.lr)
     times, losses, positions = [], [], []
+    loaded_peak = _peak_mib(args.gpu)
+    if args.gpu:
+        torch.cuda.reset_peak_memory_stats()  # from here: the peak of the training steps alone
     for step in range(args.steps):
         batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
         _sync(args.gpu)
@@ -101,7 +108,9 @@ def run_ours(args) -> dict:
         shared = module.shared_rows(data["input_ids"], data["attention_mask"])  # what the step ran, untimed
         positions.append((data["input_ids"] if shared is None else shared.input_ids).numel())
     tokens = sum(len(e["chosen_input_ids"]) + len(e["rejected_input_ids"]) for e in examples) / len(examples)
-    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu), "tokens_per_pair": tokens,
+    train_peak = _peak_mib(args.gpu) if args.gpu else None
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": max(loaded_peak, _peak_mib(args.gpu)),
+            "train_peak_mib": train_peak, "tokens_per_pair": tokens,
             "positions_per_step": statistics.mean(positions), "prefix_sharing": module.prefix_sharing}
 
 
@@ -137,6 +146,13 @@ def run_trl(args) -> dict:
     times, marks = [], {}
 
     class StepTimes(TrainerCallback):
+        def on_train_begin(self, _args, state, _control, **_kw):
+            if args.gpu:  # the model is on the GPU by now: from here, the peak of the training steps alone
+                import torch
+
+                marks["loaded_peak"] = _peak_mib(True)
+                torch.cuda.reset_peak_memory_stats()
+
         def on_step_begin(self, _args, state, _control, **_kw):
             _sync(args.gpu)
             marks["start"] = time.perf_counter()
@@ -150,7 +166,9 @@ def run_trl(args) -> dict:
                            args.gpu, [StepTimes()], checkpointing=args.checkpointing != "off")
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"step_seconds": times, "losses": losses, "peak_rss_mib": _peak_mib(args.gpu)}
+    peak = max(marks.get("loaded_peak", 0.0), _peak_mib(args.gpu))
+    return {"step_seconds": times, "losses": losses, "peak_rss_mib": peak,
+            "train_peak_mib": _peak_mib(True) if args.gpu else None}
 
 
 def speed(args) -> None:
@@ -192,6 +210,9 @@ def speed(args) -> None:
                                             / results["trl"]["median_step_seconds"]),
         "peak_rss_ratio_table_on_device": (results["ours-table-on-device"]["peak_rss_mib"]
                                            / results["trl"]["peak_rss_mib"]),
+        **({"train_peak_ratio": results["ours"]["train_peak_mib"] / results["trl"]["train_peak_mib"],
+            "train_peak_ratio_table_on_device": (results["ours-table-on-device"]["train_peak_mib"]
+                                                 / results["trl"]["train_peak_mib"])} if args.gpu else {}),
         **results,
     }
     (work / "reward_bench.json").write_text(json.dumps(summary, indent=2))

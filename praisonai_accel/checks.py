@@ -143,10 +143,16 @@ def offload_embedding_rule(config: TrainConfig, model_config=None, distributed_t
     if config.device_map not in (None, "cuda"):
         raise ConfigError("offload_embedding: device_map places the model itself; remove offload_embedding or "
                           "device_map")
+    if config.use_unsloth is True:
+        raise ConfigError("offload_embedding: unsloth places the model itself; set use_unsloth: auto (transformers is "
+                          "then chosen) or false")
+    # transformers 5 ties by the outer config (a VLM's), where a text config may say otherwise
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if config.model_head != "sequence-classification" and getattr(text, "tie_word_embeddings", False):
-        raise ConfigError(f"offload_embedding: {config.model_name} ties its input embedding to the LM head, which "
-                          "every token's logits need on the GPU; remove offload_embedding")
+    tied = any(getattr(c, "tie_word_embeddings", False) for c in (model_config, text))
+    if config.model_head != "sequence-classification" and tied:
+        from .models.host_embedding import tied_message
+
+        raise ConfigError(tied_message(config.model_name))
 
 
 def method_rule(config: TrainConfig) -> None:

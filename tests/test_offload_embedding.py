@@ -7,8 +7,10 @@
   equal those of the same model without it, and the merged state_dict still holds the table;
 - DDP (gloo) is told to leave the table alone, and trains;
 - a run may resume with it turned on or off (the same run);
-- the rules: full fine-tuning, --fsdp (the flag and an accelerate config), a device_map and an embedding tied to the
-  LM head are refused in one line before launch (the last read from the model's own config.json).
+- the rules: full fine-tuning, --fsdp (the flag and an accelerate config), a device_map, use_unsloth: true and an
+  embedding tied to the LM head are refused in one line before launch (the last read from the model's own
+  config.json, its outer config or its text config); a tie no config names is caught as the model loads; with
+  use_unsloth: auto, transformers is chosen.
 """
 
 from __future__ import annotations
@@ -134,11 +136,35 @@ def _situation(tmp_path, phase="launch", model_config=None, distributed_type=Non
     ({"finetune_type": "full"}, None, "the embedding trains under finetune_type: full"),
     ({}, "FSDP", "FSDP shards the embedding"),
     ({"device_map": "auto"}, None, "device_map places the model itself"),
+    ({"use_unsloth": True}, None, "unsloth places the model itself"),
 ])
 def test_what_it_cannot_keep_on_the_host_is_named(tmp_path, keys, distributed_type, says):
     with pytest.raises(ConfigError, match=says):
         check_run(_situation(tmp_path, distributed_type=distributed_type, **keys))
     check_run(_situation(tmp_path, method="reward"))  # the reward head: no LM head to share the table
+
+
+def test_a_tie_is_found_in_the_outer_config_or_the_model_and_unsloth_is_not_chosen(tmp_path):
+    """transformers 5 ties a vision-language model by its outer config, whose text config may say otherwise
+    (Mistral 3's: True outside, False inside); a model tied where no config says so is caught as it loads."""
+    import transformers as tf
+
+    from praisonai_accel.data.vision_processor import ModelInputs
+    from praisonai_accel.models.host_embedding import shares_output_head
+    from praisonai_accel.models.loading import choose_backend
+    from praisonai_accel.runtime.distributed import DistEnv
+
+    outer = tf.Mistral3Config()
+    assert outer.tie_word_embeddings and not outer.get_text_config().tie_word_embeddings
+    with pytest.raises(ConfigError, match="ties its input embedding to the LM head"):
+        check_run(_situation(tmp_path, model_config=outer))
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+    assert shares_output_head(tf.LlamaForCausalLM(tf.LlamaConfig(**small, tie_word_embeddings=True)))
+    assert not shares_output_head(tf.LlamaForCausalLM(tf.LlamaConfig(**small, tie_word_embeddings=False)))
+    assert not shares_output_head(_llama_classifier())
+    backend = choose_backend(_situation(tmp_path).config, DistEnv(), True, ModelInputs(None))
+    assert (backend.name, backend.reason) == ("transformers", "offload_embedding")  # unsloth would move it back
 
 
 def test_a_run_may_resume_with_it_turned_on_or_off(tmp_path):

@@ -122,7 +122,7 @@ class FinetuneKeys(BaseModel):
                                    "stays in host memory; each step looks up its tokens' rows on the CPU and moves "
                                    "only those to the GPU (a 128k x 4096 table is 1 GB of GPU memory in bf16, 2 GB "
                                    "under qlora). Not with finetune_type: full, an embedding tied to the LM head, "
-                                   "--fsdp or a device_map.")
+                                   "--fsdp, a device_map or use_unsloth: true.")
 
 
 class OptimizerKeys(BaseModel):

@@ -49,7 +49,8 @@ def _host_class(cls: type) -> type:
 
 def keep_on_host(model) -> None:
     """Put `model`'s input embedding (and its buffers) in host memory for good; its output goes where the rest of
-    the model is, now and after any later move."""
+    the model is, now and after any later move. The model is loaded where it runs, as without the option (N ranks
+    loading whole models into host memory first would need N copies there); the table leaves the GPU here."""
     import torch
 
     embedding = model.get_input_embeddings()
@@ -68,6 +69,18 @@ def keep_on_host(model) -> None:
         setattr(tensor, HOST_ATTRIBUTE, True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the table's device copy, when the model was loaded there (QLoRA)
+
+
+def tied_message(model_name: str) -> str:
+    return (f"offload_embedding: {model_name} ties its input embedding to the LM head, which every token's logits "
+            "need on the GPU; remove offload_embedding")
+
+
+def shares_output_head(model) -> bool:
+    """The LM head holds the input embedding's table itself (tied): a move of the head would take it along."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    table = model.get_input_embeddings().weight
+    return head is not None and any(p is table for p in head.parameters())
 
 
 def ddp_ignore_host_tensors(module) -> list[str]:

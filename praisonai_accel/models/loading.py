@@ -18,7 +18,7 @@ from ..data import ensure_chat_template, load_tokenizer
 from ..data.vision_processor import ModelInputs
 from ..runtime.distributed import DistEnv, fsdp_requested, mark_unsloth_ddp, resolve_device_map
 from . import vision as vision_model
-from .host_embedding import keep_on_host
+from .host_embedding import keep_on_host, shares_output_head, tied_message
 from .vision import unquantized_modules
 
 SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (methods/base.py): a reward model
@@ -52,6 +52,8 @@ def choose_backend(config: TrainConfig, env: DistEnv, use_cuda: bool, inputs: Mo
             raise ConfigError(f"use_unsloth: true: method: {config.method} trains a sequence classifier, which unsloth "
                               "does not load; set use_unsloth: auto or false")
         return Backend("transformers", reason="a sequence classifier (a reward model)")
+    if config.offload_embedding:  # kept on the host by host_embedding.py; unsloth's own placement would undo it
+        return Backend("transformers", reason="offload_embedding")
     if inputs.vision:
         if config.use_unsloth is True:
             raise ConfigError("use_unsloth: true: vision-language models are trained with transformers + peft here; "
@@ -128,7 +130,6 @@ def _load_with_unsloth(config: TrainConfig, env: DistEnv, device_map: Any, unslo
         device_map=device_map if device_map is not None else "sequential",
         revision=config.revision,
         trust_remote_code=config.trust_remote_code,
-        **({"offload_embedding": True} if config.offload_embedding else {}),  # unsloth's own, by the same name
     )
     if config.uses_lora:
         model = fast.get_peft_model(model, **lora_settings(config), random_state=config.seed,
@@ -174,9 +175,6 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     kwargs: dict[str, Any] = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
-    place_on = None  # offload_embedding: loaded in host memory, then all but the embedding table moves here
-    if config.offload_embedding and config.uses_lora and config.finetune_type != "qlora" and device_map is not None:
-        place_on, device_map = device_map.get("") if isinstance(device_map, dict) else device_map, None
     if device_map is not None:
         kwargs["device_map"] = device_map
     if config.finetune_type == "qlora":
@@ -188,6 +186,8 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision:
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     model = auto_class.from_pretrained(config.model_name, **kwargs)
     if config.offload_embedding and config.uses_lora:  # before peft's upcast (QLoRA), so that happens on the host
+        if shares_output_head(model):  # tied where neither config said so: a move of the head would undo it
+            raise ConfigError(tied_message(config.model_name))
         keep_on_host(model)
         table = model.get_input_embeddings().weight
         log.info("embedding: %s x %s (%.0f MiB) kept in host memory (offload_embedding)", f"{table.shape[0]:,}",
@@ -213,8 +213,6 @@ def _load_with_transformers(config: TrainConfig, device_map: Any, dtype, vision:
         # SEQ_CLS: peft trains the score head in full (modules_to_save) and saves it with the adapter
         model = get_peft_model(model, LoraConfig(**lora_settings(config), **scope,
                                                  task_type="SEQ_CLS" if reward else "CAUSAL_LM"))
-    if place_on is not None:
-        model.to(f"cuda:{place_on}" if isinstance(place_on, int) else place_on)
     model.config.use_cache = False
     return model
 

@@ -68,7 +68,7 @@ def keep_on_host(model) -> None:
     for tensor in (*embedding.parameters(), *embedding.buffers()):
         setattr(tensor, HOST_ATTRIBUTE, True)
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the table's device copy, when the model was loaded there (QLoRA)
+        torch.cuda.empty_cache()  # the table's device copy: the model was loaded where it runs
 
 
 def tied_message(model_name: str) -> str:

@@ -149,9 +149,10 @@ def offload_embedding_rule(config: TrainConfig, model_config=None, distributed_t
     # transformers 5 ties by the outer config (a VLM's), where a text config may say otherwise
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     tied = any(getattr(c, "tie_word_embeddings", False) for c in (model_config, text))
-    if config.model_head != "sequence-classification" and tied:
-        from .models.host_embedding import tied_message
+    from .models.host_embedding import tied_message
+    from .models.loading import SEQUENCE_CLASSIFIER
 
+    if config.model_head != SEQUENCE_CLASSIFIER and tied:  # a reward model has no LM head to share the table
         raise ConfigError(tied_message(config.model_name))
 
 

@@ -203,8 +203,7 @@ SLOWEST_MODULES = ["test_grpo_tools.py", "test_gguf.py", "test_checkpoint.py", "
                    "test_publish.py", "test_eval.py", "test_data_rows.py", "test_vision_runs.py", "test_security.py",
                    "test_offload_embedding.py", "test_eval_training.py", "test_run_safety.py", "test_vision_demo.py",
                    "test_method_registry.py", "test_preference_ddp.py", "test_grpo.py", "test_vision_publish.py",
-                   "test_eval_endpoint.py",
-                   "test_eval_rewards.py"]
+                   "test_eval_endpoint.py", "test_eval_rewards.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..models.loading import SEQUENCE_CLASSIFIER
 from . import preference_data as pdata
 from .method_keys import REWARD_METRICS as METRICS
 from .method_keys import RewardKeys
@@ -72,7 +73,7 @@ class RewardMethod(PreferenceMethod):
     headline_metrics = ("accuracy", "margin")
     # model.py loads a one-label sequence classifier (LoRA task SEQ_CLS, the head trained in full) instead of a causal
     # LM; inference, the model card and unsloth's refusal read the same attribute
-    model_head = "sequence-classification"
+    model_head = SEQUENCE_CLASSIFIER
 
     @classmethod
     def check_config(cls, config) -> None:

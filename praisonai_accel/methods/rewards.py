@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 from ..data import DataError
 from ..errors import ConfigError, first_line
 from ..logs import FILE_ONLY
-from .method_keys import BUILTIN_REWARDS, REWARD_MODEL_PREFIX, parse_reward_entry
+from .method_keys import REWARD_MODEL_PREFIX, parse_reward_entry
 from .user_code import import_user_module
 
 log = logging.getLogger("praisonai_accel")

@@ -18,6 +18,7 @@ from .. import __version__
 from ..config import ConfigError, TrainConfig
 from ..data.vision_processor import ModelInputs
 from ..errors import first_line
+from ..models.loading import SEQUENCE_CLASSIFIER
 from ..run_dir.output_dirs import MARKER as OUTPUT_MARKER
 
 log = logging.getLogger("praisonai_accel")
@@ -163,7 +164,7 @@ def model_card(config: TrainConfig, summary: dict, inputs: ModelInputs, latest_e
     hub_datasets = [d.name for d in config.dataset if is_hub_id(d.name)]
     base = config.model_name if is_hub_id(config.model_name) else Path(config.model_name).name
     vision = inputs.vision
-    reward = getattr(config, "model_head", "causal-lm") == "sequence-classification"  # a reward model (methods/reward.py)
+    reward = getattr(config, "model_head", "causal-lm") == SEQUENCE_CLASSIFIER  # a reward model (methods/reward.py)
     pipeline = "image-text-to-text" if vision else "text-classification" if reward else "text-generation"
     front = ["---"] + [f"base_model: {config.model_name}"] * is_hub_id(config.model_name) + [
         "library_name: peft" if config.uses_lora else "library_name: transformers",

@@ -4,10 +4,10 @@ and on the real Phi-3 tokenizer. In process, no model needed."""
 from __future__ import annotations
 
 import pytest
-from trl.chat_template_utils import supports_tool_calling
+from trl.chat_template_utils import get_training_chat_template, supports_tool_calling
 
 from praisonai_accel.data.chat_masking import (
-    IGNORE_INDEX, METHOD_SPANS, METHOD_TWIN, encode_conversation, plan_masking, render,
+    IGNORE_INDEX, METHOD_MARKERS, METHOD_SPANS, METHOD_TWIN, encode_conversation, plan_masking, render,
 )
 from praisonai_accel.data.masking_check import MaskingReport, check_masking
 from praisonai_accel.publish.ollama_template import derive
@@ -105,6 +105,23 @@ def test_every_reply_and_its_end_of_turn_are_trained_and_nothing_else(name, copy
                 assert labels == expected
             else:  # another of trl's templates rendering the same probes (phi3 and phi3_5): whitespace aside
                 assert _non_blank(tokenizer, ids, labels) == _non_blank(tokenizer, out["input_ids"], expected)
+
+
+@pytest.mark.parametrize("name", original_templates())
+def test_the_twin_read_from_trls_files_is_the_one_its_get_training_chat_template_returns(name):
+    """plan_masking finds the twin without importing trl.chat_template_utils (which costs the CLI all of
+    transformers' modeling code): for every verbatim template, the template it trains with is trl's own answer."""
+    tokenizer = tokenizer_for(name)
+    plan = plan_masking(tokenizer)
+    try:
+        theirs = get_training_chat_template(tokenizer)
+    except ValueError:  # trl cannot patch it
+        assert plan.method == METHOD_SPANS and plan.template == template_text(name)
+        return
+    if theirs is None:  # already prefix-preserving with generation markers
+        assert plan.method == METHOD_MARKERS
+    else:
+        assert plan.method == METHOD_TWIN and plan.template == theirs
 
 
 def _non_blank(tokenizer, ids, labels):

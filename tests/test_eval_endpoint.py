@@ -135,6 +135,7 @@ def test_model_name_and_limit_are_passed(server, tasks, tmp_path):
     (["--tasks", "pick_it"], "--tasks pick_it: a multiple_choice task needs log-probabilities"),
     (["--tasks", "say_it", "--base"], "--base / --max-regression: not with --endpoint"),
     (["--tasks", "say_it", "--num-processes", "2"], "--num-processes / --gpus: not with --endpoint"),
+    (["--tasks", "say_it", "--reward-model", "rm"], "--reward-model: not with --endpoint"),
     (["--tasks", "say_it", "TARGET"], "--endpoint: scores the served model; drop TARGET"),
     ([], "--endpoint: name the tasks to score with --tasks"),
 ])

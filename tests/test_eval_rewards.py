@@ -141,6 +141,7 @@ def no_model_loads(monkeypatch):
 
 @pytest.mark.parametrize("args,line", [
     (["--reward-funcs", "rewards:length"], "--reward-funcs: needs --prompts FILE.jsonl"),
+    (["--reward-model", "rm"], "--reward-model: needs --prompts FILE.jsonl"),  # the option given, not its long form
     (["--prompts", "prompts.jsonl"], "--prompts: needs --reward-funcs or --reward-model"),
     ([], "name what to score: --tasks"),
     (["--reward-funcs", "nomodule:length", "--prompts", "prompts.jsonl"], "no module named 'nomodule'"),

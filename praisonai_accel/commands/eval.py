@@ -52,13 +52,14 @@ def eval_command(
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
     entries = reward_entries(reward_funcs or [], reward_model)
+    given = "--reward-funcs" if reward_funcs else "--reward-model"  # the option the user typed, named in its errors
     if endpoint is not None or target is None:
         return _eval_endpoint(target, endpoint, model_name, completions, tasks, include_path, limit, num_fewshot,
                               batch_size, log_samples, output, base or bool(max_regression), entries,
-                              num_processes or gpus)
+                              num_processes or gpus, given)
     if bool(entries) != (prompts is not None):
         fail("--prompts: needs --reward-funcs or --reward-model" if prompts else
-             "--reward-funcs: needs --prompts FILE.jsonl (the prompts whose completions are scored)")
+             f"{given}: needs --prompts FILE.jsonl (the prompts whose completions are scored)")
     if not tasks and not entries:
         fail("name what to score: --tasks NAME[,NAME...] and/or --reward-funcs module:function with --prompts FILE")
     names = parse_task_names(tasks) if tasks else []
@@ -106,7 +107,7 @@ def eval_command(
 
 
 def _eval_endpoint(target, url, model_name, completions, tasks, include_path, limit, num_fewshot, batch_size,
-                   log_samples, output, base, entries, processes) -> None:
+                   log_samples, output, base, entries, processes, reward_option) -> None:
     """--endpoint: lm-eval's API model against the served URL, in this process (the server holds the model)."""
     from ..evaluate.compare import render, rows
     from ..evaluate.endpoint import check_task_types, endpoint, score_endpoint, served_model_name
@@ -119,7 +120,7 @@ def _eval_endpoint(target, url, model_name, completions, tasks, include_path, li
         fail("TARGET: name a run, checkpoint or model to score (or --endpoint URL for a served one)")
     if target is not None:
         fail(f"--endpoint: scores the served model; drop TARGET {target}")
-    for given, option in ((base, "--base / --max-regression"), (entries, "--reward-funcs"),
+    for given, option in ((base, "--base / --max-regression"), (entries, reward_option),
                           (processes, "--num-processes / --gpus")):
         if given:
             fail(f"{option}: not with --endpoint (one served model, scored in this process)")

@@ -101,6 +101,32 @@ def test_mean_rewards_of_greedy_completions_base_against_tuned(setup, monkeypatc
     assert "length (mean)" in result.output and "rewards" in result.output
 
 
+def test_base_of_a_full_fine_tune_is_the_model_it_was_trained_from(setup, monkeypatch, tiny_model, tmp_path):
+    """A full fine-tune has no adapter to disable: --base loads the model it records it started from (the SFT demo's
+    model is one; this was a traceback) and its completions are that model's own, with the run's tokenizer."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from praisonai_accel.run_dir.output_dirs import replace_with
+
+    staged, run_dir = tmp_path / "staged", tmp_path / "run"
+    AutoPeftModelForCausalLM.from_pretrained(setup / "adapter").merge_and_unload().save_pretrained(staged)
+    AutoTokenizer.from_pretrained(setup / "adapter").save_pretrained(staged)
+    run_dir.mkdir()
+    replace_with(staged, run_dir / "model", "final_model_dir", kind="model", base_model=str(tiny_model))
+    (run_dir / "train_summary.json").write_text(json.dumps({"global_step": 5, "final_model_dir": str(run_dir / "model")}))
+    out = tmp_path / "full.json"
+    result = _invoke(setup, monkeypatch, str(run_dir), "--reward-funcs", "rewards:length", "--prompts", "prompts.jsonl",
+                     "--base", "--max-new-tokens", "8", "--output", str(out))
+    assert result.exit_code == 0, result.output[-3000:]
+    scored = json.loads(out.read_text())["rewards"]
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "model")
+    for name, path in (("tuned", run_dir / "model"), ("base", tiny_model)):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        assert scored[name]["completions"] == [_greedy(model, tokenizer, p["prompt"], 8) for p in PROMPTS], name
+    assert scored["tuned"]["completions"] != scored["base"]["completions"]
+
+
 def test_sampled_completions_are_seeded_and_scored_per_prompt(setup, monkeypatch):
     outs = []
     for n, seed in enumerate((1, 1, 2)):

@@ -145,21 +145,23 @@ def _scored(functions, prompts: Prompts, num_samples: int, generated) -> dict:
 def score_rewards(target, functions, prompts: Prompts, *, num_samples: int = 1, max_new_tokens: int = 128,
                   temperature: float = 1.0, batch_size: int = 8, base: bool = False, seed: int = 0,
                   device=None) -> dict:
-    """{"tuned": per function, "base": ... (with base)}: the model loaded once, the adapter disabled for the base."""
+    """{"tuned": per function, "base": ... (with base)}: the base as score.score has it: an adapter's with the
+    adapter disabled, a full fine-tune's by loading the model it started from (with the run's tokenizer)."""
+    from dataclasses import replace
+
     from .score import load_model
 
     model, tokenizer = load_model(target, device)
-    model.eval()
-    out = {}
-    for name in ("tuned", "base") if base else ("tuned",):
-        if name == "base":
-            with model.disable_adapter():
-                generated = _completions(model, tokenizer, prompts, num_samples, max_new_tokens, temperature,
-                                         batch_size, seed)
-        else:
-            generated = _completions(model, tokenizer, prompts, num_samples, max_new_tokens, temperature,
-                                     batch_size, seed)
-        out[name] = _scored(functions, prompts, num_samples, generated)
+    complete = lambda m: _completions(m.eval(), tokenizer, prompts, num_samples, max_new_tokens, temperature,
+                                      batch_size, seed)
+    out = {"tuned": _scored(functions, prompts, num_samples, complete(model))}
+    if base and target.adapter:
+        with model.disable_adapter():
+            out["base"] = _scored(functions, prompts, num_samples, complete(model))
+    elif base:
+        del model
+        model = load_model(replace(target, name=target.base, model=target.base), device)[0]
+        out["base"] = _scored(functions, prompts, num_samples, complete(model))
     return out
 
 

@@ -201,6 +201,29 @@ def test_config_refuses_reward_keys_elsewhere_and_other_keys_here(tiny_model, tm
         parse_config({**base, "method": "reward", "beta": 0.5})
     with pytest.raises(ConfigError, match="packing: method reward trains whole pairs"):
         parse_config({**base, "method": "reward", "packing": True})
+    from praisonai_accel.checks import method_rule
+
+    for key, value in (("save_gguf", True), ("ollama_model", "rm:latest")):  # llama.cpp would get the base LM
+        with pytest.raises(ConfigError, match=f"{key}: a reward model .* scores text and writes none"):
+            method_rule(parse_config({**base, "method": "reward", key: value}))
+
+
+@pytest.mark.parametrize("command", [["generate", "DIR", "-p", "hi"], ["chat", "DIR"], ["serve", "DIR"],
+                                     ["export", "gguf", "DIR"], ["publish", "ollama", "DIR", "--name", "rm"],
+                                     ["eval", "DIR", "--tasks", "arc_easy"]])
+def test_commands_that_need_a_model_that_writes_refuse_a_reward_model_in_one_line(tiny_model, tmp_path, command):
+    """A reward model scores; generate gave an AttributeError traceback, serve started a server whose requests
+    failed, and export gguf would have merged the adapter onto the base LM (found trying the demo's outputs)."""
+    from typer.testing import CliRunner
+
+    from praisonai_accel.cli import app
+
+    model = vowel_reward_model(tiny_model, tmp_path / "rm")
+    result = CliRunner().invoke(app, [str(model) if a == "DIR" else a for a in command], input="")
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output[-2000:]
+    assert f"{model} is a reward model (a one-label sequence classifier): it scores text" in errors[0], errors
+    assert f"praisonai-accel score {model}" in errors[0] and "Traceback" not in result.output
 
 
 def test_heads_and_paths_that_are_not_reward_models_are_named(tiny_model, tmp_path):

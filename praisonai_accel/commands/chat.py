@@ -13,12 +13,12 @@ from ..logs import show_progress_lines
 from ._common import fail
 
 
-def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]] = None):
+def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]], command: str):
     """(model, tokenizer or processor, images): every --image read and the model checked to take images before it
     loads, each failure in one line."""
     from ..data.vision_processor import is_vision_config
     from ..models.inference import (ModelDirError, is_processor, load_for_inference, model_config_of, read_image,
-                             resolve_model_dir)
+                                    resolve_model_dir, reward_model_refusal)
 
     show_progress_lines()
     try:
@@ -26,6 +26,9 @@ def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]]
     except ValueError as exc:
         fail(f"--image {first_line(exc)}")
     try:
+        refusal = reward_model_refusal(resolve_model_dir(path), command)
+        if refusal:
+            fail(refusal)
         if images:
             model_dir = resolve_model_dir(path)
             config = model_config_of(model_dir, trust_remote_code)
@@ -55,7 +58,7 @@ def chat_command(
     """Chat with the model on stdin (one message per line; empty line or EOF ends)."""
     from ..models.inference import generate
 
-    model, tokenizer, images = _load(path, trust_remote_code, image)
+    model, tokenizer, images = _load(path, trust_remote_code, image, "chat")
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -88,7 +91,7 @@ def generate_command(
     else:
         from ..models.inference import generate
 
-        model, tokenizer, images = _load(path, trust_remote_code, image)
+        model, tokenizer, images = _load(path, trust_remote_code, image, "generate")
         replies = [generate(model, tokenizer, messages, max_new_tokens, temperature, images=images)
                    for messages in conversations]
     for reply in replies:

@@ -25,12 +25,15 @@ def ollama_command(
 ) -> None:
     """Write a Modelfile next to the model and create it on the Ollama server."""
     from ..errors import first_line
-    from ..models.inference import resolve_model_dir
+    from ..models.inference import resolve_model_dir, reward_model_refusal
     from ..publish.ollama import OllamaRefused, publish
 
     show_progress_lines()
     try:
         model_dir = resolve_model_dir(path)
+        refusal = reward_model_refusal(model_dir, "ollama")
+        if refusal:
+            raise OllamaRefused(refusal)
         modelfile = publish(model_dir, name, ollama_base=from_, push=push, host=host, trust_remote_code=trust_remote_code)
     except OllamaRefused as exc:
         fail(str(exc))

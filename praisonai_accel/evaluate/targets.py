@@ -68,12 +68,15 @@ def resolve_target(target: str, trust_remote_code: bool = False) -> EvalTarget:
                               "resumes training; score the run's final model instead)")
     elif (path / "train_summary.json").is_file() or (path / "progress.json").is_file():
         output_dir, step = path, _summary(path).get("global_step")
-    from ..models.inference import ModelDirError, base_model_of, resolve_model_dir
+    from ..models.inference import ModelDirError, base_model_of, resolve_model_dir, reward_model_refusal
 
     try:
         model_dir = resolve_model_dir(path)
     except (ModelDirError, KeyError, ValueError) as exc:
         raise ConfigError(f"TARGET {target}: not a run, checkpoint or model ({first_line(exc)})") from None
+    refusal = reward_model_refusal(model_dir, f"eval TARGET {target}")  # (as a metric: --reward-model)
+    if refusal:
+        raise ConfigError(refusal)
     if output_dir is None and model_dir.parent.joinpath("train_summary.json").is_file():
         output_dir = model_dir.parent
         step = _summary(output_dir).get("global_step")

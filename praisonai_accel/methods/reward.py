@@ -77,10 +77,15 @@ class RewardMethod(PreferenceMethod):
 
     @classmethod
     def check_config(cls, config) -> None:
-        """A classifier whose head has several labels cannot become a reward model (it has one)."""
+        """A classifier whose head has several labels cannot become a reward model (it has one); GGUF and Ollama
+        hold models that write text, which a reward model does not (llama.cpp would be handed its base LM)."""
         problem = base_head_problem(config.model_name)
         if problem:
             raise ConfigError(problem)
+        for key in ("save_gguf", "ollama_model"):
+            if getattr(config, key, None):
+                raise ConfigError(f"{key}: a reward model (method: reward) scores text and writes none, so there is "
+                                  f"no GGUF or Ollama model of it; remove {key}")
 
     @classmethod
     def report_rows(cls, records: list[dict]) -> list[tuple[str, str]]:

@@ -102,6 +102,15 @@ def _is_reward_model(model_dir: Path) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in architectures)
 
 
+def reward_model_refusal(model_dir: Path, what: str) -> str | None:
+    """One line for `what` (a command that needs a model that writes text) given a reward model, which scores text
+    (method: reward: a one-label sequence classifier); None for any other model."""
+    if not _is_reward_model(Path(model_dir)):
+        return None
+    return (f"{what}: {model_dir} is a reward model (a one-label sequence classifier): it scores text and writes none; "
+            f"score with it: praisonai-accel score {model_dir} --prompt ... --completion ...")
+
+
 def load_for_inference(path: Path, device: str | None = None, trust_remote_code: bool = False):
     """(model, tokenizer) ready for generate(); base + adapter when `path` is an adapter. For a vision-language model
     the second is its processor (AutoProcessor: image processor, tokenizer, chat template), the directory's own or,

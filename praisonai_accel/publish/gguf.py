@@ -29,7 +29,7 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..data.chat_masking import end_of_turn_token
 from ..data.vision_processor import ModelInputs
-from ..models.inference import ModelDirError, base_model_of, inputs_of, resolve_model_dir
+from ..models.inference import ModelDirError, base_model_of, inputs_of, resolve_model_dir, reward_model_refusal
 from ..models.loading import _quantization_config  # the 4-bit settings training used
 from ..run_dir.output_dirs import MARKER, NotOurs, check_replaceable, read_marker
 from . import gguf_engine
@@ -100,6 +100,9 @@ def plan_export(source: Path, methods, out_dir: Path | None = None, dequantize_b
         source = resolve_model_dir(Path(source))
     except ModelDirError as exc:
         raise GGUFError(str(exc)) from None
+    refusal = reward_model_refusal(source, "gguf export")  # llama.cpp would get the base LM, not the score head
+    if refusal:
+        raise GGUFError(refusal)
     adapter = (source / "adapter_config.json").is_file()
     facts = read_marker(source) or {}
     if facts.get("trust_remote_code") and not trust_remote_code:

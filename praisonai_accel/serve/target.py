@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..evaluate.targets import resolve_target as resolve_eval_target
-from ..models.inference import ModelDirError, resolve_model_dir
+from ..models.inference import ModelDirError, resolve_model_dir, reward_model_refusal
 from ..run_dir.checkpoints import step_of
 
 ENGINES = ("auto", "transformers", "llama-cpp", "vllm")
@@ -157,6 +157,9 @@ def resolve_target(path: Path, engine: str = "auto", name: str | None = None, qu
     except (OSError, ValueError, KeyError) as exc:  # an unreadable train_summary.json
         raise ServeError(f"{path}: holds no readable model ({type(exc).__name__}: {exc})") from None
     _check_model_dir(model_dir)
+    refusal = reward_model_refusal(model_dir, "serve")
+    if refusal:
+        raise ServeError(refusal)
     chosen = "transformers" if engine == "auto" else engine
     require_engine(chosen)
     return Target(chosen, name, model_dir=model_dir.resolve())

@@ -26,11 +26,11 @@ def _load(path: Path, trust_remote_code: bool, image_paths: Optional[List[Path]]
     except ValueError as exc:
         fail(f"--image {first_line(exc)}")
     try:
-        refusal = reward_model_refusal(resolve_model_dir(path), command)
+        model_dir = resolve_model_dir(path)
+        refusal = reward_model_refusal(model_dir, command)
         if refusal:
             fail(refusal)
         if images:
-            model_dir = resolve_model_dir(path)
             config = model_config_of(model_dir, trust_remote_code)
             if not is_vision_config(config):
                 fail(f"--image: {model_dir} holds a text-only model ({config.model_type}); images need a "

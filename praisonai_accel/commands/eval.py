@@ -52,14 +52,14 @@ def eval_command(
     from ..launcher.plan import count_cuda_gpus, resolve_processes
 
     entries = reward_entries(reward_funcs or [], reward_model)
-    given = "--reward-funcs" if reward_funcs else "--reward-model"  # the option the user typed, named in its errors
+    reward_option = "--reward-funcs" if reward_funcs else "--reward-model"  # the one the user typed, in its errors
     if endpoint is not None or target is None:
         return _eval_endpoint(target, endpoint, model_name, completions, tasks, include_path, limit, num_fewshot,
                               batch_size, log_samples, output, base or bool(max_regression), entries,
-                              num_processes or gpus, given)
+                              num_processes or gpus, reward_option)
     if bool(entries) != (prompts is not None):
         fail("--prompts: needs --reward-funcs or --reward-model" if prompts else
-             f"{given}: needs --prompts FILE.jsonl (the prompts whose completions are scored)")
+             f"{reward_option}: needs --prompts FILE.jsonl (the prompts whose completions are scored)")
     if not tasks and not entries:
         fail("name what to score: --tasks NAME[,NAME...] and/or --reward-funcs module:function with --prompts FILE")
     names = parse_task_names(tasks) if tasks else []

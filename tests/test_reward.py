@@ -211,13 +211,19 @@ def test_config_refuses_reward_keys_elsewhere_and_other_keys_here(tiny_model, tm
 @pytest.mark.parametrize("command", [["generate", "DIR", "-p", "hi"], ["chat", "DIR"], ["serve", "DIR"],
                                      ["export", "gguf", "DIR"], ["publish", "ollama", "DIR", "--name", "rm"],
                                      ["eval", "DIR", "--tasks", "arc_easy"]])
-def test_commands_that_need_a_model_that_writes_refuse_a_reward_model_in_one_line(tiny_model, tmp_path, command):
+def test_commands_that_need_a_model_that_writes_refuse_a_reward_model_in_one_line(tiny_model, tmp_path, command,
+                                                                                   monkeypatch):
     """A reward model scores; generate gave an AttributeError traceback, serve started a server whose requests
     failed, and export gguf would have merged the adapter onto the base LM (found trying the demo's outputs)."""
     from typer.testing import CliRunner
 
+    import praisonai_accel.serve.target as serve_target
     from praisonai_accel.cli import app
 
+    def no_server(engine):  # past the refusal, serve would start a server and this test would never end
+        raise AssertionError(f"serve went on to start {engine}")
+
+    monkeypatch.setattr(serve_target, "require_engine", no_server)
     model = vowel_reward_model(tiny_model, tmp_path / "rm")
     result = CliRunner().invoke(app, [str(model) if a == "DIR" else a for a in command], input="")
     errors = [x for x in result.output.splitlines() if x.startswith("error:")]

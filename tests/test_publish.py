@@ -131,6 +131,8 @@ def test_all_checkpoints_strategy_pushes_each_checkpoint_in_order(tmp_path, tiny
         deadline = time.time() + 180
         while not (tmp_path / "out" / "checkpoint-4" / "COMPLETE").exists() and time.time() < deadline:
             time.sleep(0.1)
+        while (tmp_path / "out" / "checkpoint-2").exists() and time.time() < deadline:  # rotation follows COMPLETE
+            time.sleep(0.1)
         assert not (tmp_path / "out" / "checkpoint-2").exists(), "rotation had not deleted checkpoint-2 yet"
         release.set()
         _, stderr = proc.communicate(timeout=180)

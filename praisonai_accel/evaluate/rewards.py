@@ -147,8 +147,6 @@ def score_rewards(target, functions, prompts: Prompts, *, num_samples: int = 1, 
                   device=None) -> dict:
     """{"tuned": per function, "base": ... (with base)}: the base as score.score has it: an adapter's with the
     adapter disabled, a full fine-tune's by loading the model it started from (with the run's tokenizer)."""
-    from dataclasses import replace
-
     from .score import load_model
 
     model, tokenizer = load_model(target, device)
@@ -160,7 +158,7 @@ def score_rewards(target, functions, prompts: Prompts, *, num_samples: int = 1, 
             out["base"] = _scored(functions, prompts, num_samples, complete(model))
     elif base:
         del model
-        model = load_model(replace(target, name=target.base, model=target.base), device)[0]
+        model = load_model(target.base_target(), device)[0]
         out["base"] = _scored(functions, prompts, num_samples, complete(model))
     return out
 

@@ -5,7 +5,7 @@ the command reads."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .targets import EvalTarget
@@ -97,8 +97,8 @@ def score(request: EvalRequest, accelerator=None, manager=None, device=None) -> 
                 out["base"] = _simple_evaluate(lm, request, manager)
         elif request.base:  # a full fine-tune: its base's weights, read with the run's tokenizer and template
             del lm, model
-            base = replace(request.target, name=request.target.base, model=request.target.base)
-            lm = run_lm(load_model(base, device)[0], tokenizer, request.batch_size, accelerator)
+            lm = run_lm(load_model(request.target.base_target(), device)[0], tokenizer, request.batch_size,
+                        accelerator)
             out["base"] = _simple_evaluate(lm, request, manager)
     if lm.rank != 0:
         return None

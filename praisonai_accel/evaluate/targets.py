@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError, first_line
@@ -25,6 +25,10 @@ class EvalTarget:
     output_dir: str | None  # the run it came from, where results go by default
     step: int | None  # the run's step this model is from
     trust_remote_code: bool = False
+
+    def base_target(self) -> "EvalTarget":
+        """A full fine-tune's base (--base): the model it started from, loaded as a target of its own."""
+        return replace(self, name=self.base, model=self.base)
 
     def description(self) -> dict:
         return {"target": self.name, "model": self.base if self.adapter else self.model,

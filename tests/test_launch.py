@@ -145,7 +145,13 @@ def test_asking_for_more_gpus_than_exist_is_a_clear_error(tmp_path, tiny_model, 
     config = write_config(tmp_path, tiny_model, alpaca_file)
     result = cli("train", str(config), "--gpus", "4", "--dry-run")
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: --gpus 4: only 0 CUDA GPU(s) visible on this machine"
+    assert result.stderr.strip() == ("error: --gpus 4: no CUDA GPU is visible on this machine; --cpu --num-processes "
+                                     "4 runs 4 CPU processes (gloo)")
+    assert not (tmp_path / "out").exists()
+    from praisonai_accel.launcher.plan import LaunchError, parse_gpus
+
+    with pytest.raises(LaunchError, match=r"^--gpus 4: only 2 CUDA GPU\(s\) visible on this machine$"):
+        parse_gpus("4", 2)
 
 
 def test_config_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch):

@@ -310,6 +310,58 @@ def test_ranks_waiting_for_a_command_killed_outright_die_with_it(setup, tmp_path
     assert _gone(tmp_path), "a rank outlived the command that started it"
 
 
+def _interrupted_while_scoring(setup, tmp_path, *args: str):
+    """`eval` on a task long enough to be stopped while it generates, sent SIGINT (Ctrl-C) once rank 0's
+    generation bar is up: (exit code, stderr, the results path)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = (setup["tasks"] / "tiny_gen.jsonl").read_text() * 400  # 4,800 documents: minutes of generation
+    (tasks / "long_gen.jsonl").write_text(rows)
+    (tasks / "long_gen.yaml").write_text(_gen_yaml("long_gen", tasks / "long_gen.jsonl"))
+    out = tmp_path / "never.json"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "praisonai_accel", "eval", str(setup["adapter"]), "--tasks", "long_gen",
+         "--include-path", str(tasks), "--output", str(out), *args],
+        env={**cpu_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell's foreground
+    said = []
+    reader = threading.Thread(target=lambda: said.extend(iter(lambda: os.read(command.stderr.fileno(), 4096), b"")))
+    reader.start()
+    deadline = time.monotonic() + 240
+    while b"Running generate_until requests" not in b"".join(said):
+        assert command.poll() is None and time.monotonic() < deadline, b"".join(said).decode()[-3000:]
+        time.sleep(0.1)
+    command.send_signal(signal.SIGINT)
+    code = command.wait(timeout=120)
+    reader.join(timeout=60)
+    return code, b"".join(said).decode(), out
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_ctrl_c_while_scoring_is_one_line_exit_130_and_no_results(setup, tmp_path, processes):
+    """Ctrl-C in the middle of scoring, in this process or forwarded to 2 ranks: no rank's KeyboardInterrupt
+    traceback and no line of torchrun's agent ("Received 2 death signal") reach the console, even where one
+    arrives glued to lm-eval's unfinished bar; one line says it, exit 130, no results file, no rank left."""
+    import re
+
+    extra = ("--cpu", "--num-processes", "2") if processes == 2 else ()
+    code, stderr, out = _interrupted_while_scoring(setup, tmp_path, *extra)
+    lines = [line.replace("\x1b[2K", "") for line in re.split(r"[\r\n]+", stderr)]
+    lines = [line for line in lines if line.strip()]
+    assert code == 130, stderr[-3000:]
+    assert lines[-1] == "praisonai-accel: eval interrupted (its results file is written when it ends)", lines[-5:]
+    noise = [line for line in lines if "Traceback" in line or "KeyboardInterrupt" in line or line.startswith("[rank")
+             or re.search(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", line) or line.startswith("error:")]
+    assert not noise, noise[:10]
+    assert not out.exists() and _gone(tmp_path)
+
+
 def test_paired_test_is_scipys_paired_t_test():
     from scipy.stats import ttest_rel
 

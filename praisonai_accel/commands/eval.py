@@ -3,6 +3,7 @@ against the base too with --base, on N ranks; a regression gate for CI."""
 
 from __future__ import annotations
 
+import functools
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -10,9 +11,26 @@ from typing import List, Optional
 
 import typer
 
+from ..evaluate.worker import INTERRUPTED
 from ._common import fail
 
 
+def said_when_interrupted(command):
+    """Ctrl-C, in this process or forwarded to the ranks: one line and exit 130, no traceback."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            # a new line first, as click's Abort writes one: lm-eval's bar may be on screen, unfinished
+            typer.echo("\npraisonai-accel: eval interrupted (its results file is written when it ends)", err=True)
+            raise typer.Exit(INTERRUPTED) from None
+
+    return run
+
+
+@said_when_interrupted
 def eval_command(
     target: Optional[str] = typer.Argument(None, help="a run's output_dir, a checkpoint-<step> directory, a model directory or a Hub id (none with --endpoint)"),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval task names, comma-separated (its own, or YAML tasks under --include-path)"),
@@ -175,6 +193,8 @@ def _score(request, ranks, gpu_ids, cpu: bool, manager) -> dict:
         return score(request, manager=manager, device=device)
     typer.echo(f"launching {ranks.plan.num_processes} process(es)", err=True)
     code, result, said = ranks.run(request.to_json())
+    if code == INTERRUPTED:
+        raise KeyboardInterrupt  # Ctrl-C, forwarded to the ranks, which left quietly: said once, as for one rank
     if code != 0 or result is None:
         if said:  # a rank's own "error:" line is the one line
             raise typer.Exit(code or 1)

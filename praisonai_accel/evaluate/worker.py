@@ -23,7 +23,19 @@ def wait_for(path: Path, launcher: int, poll: float = 0.02) -> Path:
     return path
 
 
+# Ctrl-C: the command forwards it to every rank; each leaves quietly with the shell's code for it, and the command
+# (commands/eval.py) says it once
+INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     from ..runtime.exit import die_with_parent  # imports nothing heavy: the death signal is set first
 
     die_with_parent()  # a rank waiting for its request must not outlive a launcher killed outright

@@ -140,6 +140,22 @@ def test_a_tqdm_bar_that_ends_is_not_drawn_again_below_its_last_state():
     assert screen_of(sink.getvalue()) == ["rank 1: a warning", "100%|##########| 100/100", bar.format(100, "#" * 10, 24)]
 
 
+def test_a_line_glued_to_an_unfinished_tqdm_bar_is_split_from_it():
+    """tqdm draws "\rBAR" and ends a bar only at its next update, so a line another process writes meanwhile
+    arrives glued to it ('... [00:00<05:33, 7.20it/s]W1207 ... Received 2 death signal' at Ctrl-C in `eval`): the
+    agent's log line is dropped as when it arrives alone, a rank's line goes above the bar, and the bar stays."""
+    sink = io.StringIO()
+    relay = LauncherOutput(sink, terminal=True)
+    read, write = os.pipe()
+    bar = "Running generate_until requests:   0%|          | 1/2400 [00:00<05:33,  7.20it/s]"
+    os.write(write, (f"\r{bar}W1207 19:03:09.897000 27020 torch/distributed/elastic/agent/server/api.py:753] "
+                     f"Received 2 death signal, shutting down workers\n\r{bar}rank 1: a warning\n").encode())
+    os.close(write)
+    relay.feed_stream(read)
+    os.close(read)
+    assert screen_of(sink.getvalue()) == ["rank 1: a warning", bar]
+
+
 def test_a_relay_that_fails_still_drains_the_workers_pipe_and_its_error_is_raised():
     """The launcher's stderr is relayed on a thread: where our own stderr fails (a closed pipe, a full disk), the
     thread keeps reading the workers' pipe (a full pipe would block them for good) and wait() raises the error."""

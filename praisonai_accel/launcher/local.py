@@ -62,6 +62,11 @@ _PIECES = re.compile(r"[^\r\n]*(?:\r\n|[\r\n])")
 _TQDM = re.compile(r"^(.*?)\s*\d+%\|[^|]*\|\s*[\d.]+[A-Za-z]*/(\S+)")
 
 
+# a whole tqdm bar (its "[elapsed<remaining, rate]" closed) with another process's text right after it: tqdm draws
+# "\rBAR" and ends the bar only at its next update, so a line written meanwhile arrives glued to it
+_GLUED_TO_BAR = re.compile(r"^(.*?\d+%\|[^|]*\|\s*[\d.]+[A-Za-z]*/\S+ \[[^\]]*\])([^\r\n]+[\r\n]+)$")
+
+
 def _bar_key(text: str) -> tuple[str, str] | None:
     match = _TQDM.match(text.removeprefix("\x1b[2K").strip("\r\n"))
     return match.groups() if match else None
@@ -144,6 +149,10 @@ class LauncherOutput:
             self.bar = piece.removeprefix("\x1b[2K") if piece[:-1].removeprefix("\x1b[2K") else ""
             self.sink.write(piece)
             self.sink.flush()
+            return
+        if glued := _GLUED_TO_BAR.match(piece):
+            self.feed(glued.group(1) + "\r")
+            self.feed(glued.group(2))
             return
         line = piece.removeprefix("\x1b[2K")
         if self._dropped(line):

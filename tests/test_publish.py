@@ -314,6 +314,22 @@ def test_merge_gives_the_same_logits_as_base_plus_adapter(trained, tmp_path):
     assert [p.name for p in users.iterdir()] == ["notes.txt"]
 
 
+def test_a_merge_interrupted_while_writing_leaves_no_partial_copy(trained, tmp_path, monkeypatch):
+    """Ctrl-C after the merged weights are written but before the tokenizer: neither the target nor the hidden
+    directory it was being written in is left (a merged model is the base's size)."""
+    from transformers import PreTrainedTokenizerBase
+
+    from praisonai_accel.publish.merge import merge_adapter
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        merge_adapter(trained, tmp_path / "merged")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_generate_and_chat_answer_with_the_trained_model(trained):
     result = cli("generate", str(trained), "-p", "add 2 and 3", "-p", "repeat the words", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr[-2000:]

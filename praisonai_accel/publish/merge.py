@@ -29,11 +29,14 @@ def merge_adapter(path: Path, target: Path, force: bool = False, trust_remote_co
     merged = model.merge_and_unload()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
     try:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
         replace_with(tmp, target, "merge target", **facts)
     except NotOurs as exc:  # appeared while merging
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelDirError(str(exc)) from None
+    except BaseException:  # Ctrl-C or a full disk while writing: no half-written copy of the model left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -69,14 +70,16 @@ def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, override, messa
     "text,message",
     [
         ("model_name: [unclosed\n", "invalid YAML at line"),
-        ("- just\n- a list\n", "expected a mapping of keys at the top level"),
+        ("- just\n- a list\n", "expected keys (`model_name: ...` one per line) at the top level, got a list"),
+        ("just words\n", "expected keys (`model_name: ...` one per line) at the top level, got a single value"),
+        ("# nothing but a comment\n", "the file is empty; a config names at least model_name and dataset"),
         ("dataset: x.jsonl\n", "missing required key 'model_name'"),
     ],
 )
 def test_unreadable_config_files(tmp_path, text, message):
     path = tmp_path / "config.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(path)
 
 
@@ -85,6 +88,8 @@ def test_missing_config_file_from_a_real_process_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: config file not found"
     assert "Traceback" not in result.stderr + result.stdout
+    with pytest.raises(ConfigError, match=r": is a directory; name the config file in it \(config.yaml\)$"):
+        load_config(tmp_path)
 
 
 def test_missing_local_paths_are_caught_before_launch(tmp_path):

@@ -209,8 +209,11 @@ def _dataset_list(value: Any) -> Any:
 def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> TrainConfig:
     """The validated config of `data`, as TrainConfig composed with the chosen method's keys; ConfigError (one line,
     starting with `source`). `config_dir`: where the method's and reward functions' modules are looked for first."""
+    if data is None:
+        raise ConfigError(f"{source}: the file is empty; a config names at least model_name and dataset")
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+        kind = {list: "a list", str: "a single value"}.get(type(data), type(data).__name__)
+        raise ConfigError(f"{source}: expected keys (`model_name: ...` one per line) at the top level, got {kind}")
     secret = next((k for k in data if str(k).lower() in SECRET_KEYS), None)
     if secret is not None:
         raise ConfigError(f"{source}: {secret}: tokens never go in config files; set HF_TOKEN in the environment")
@@ -264,6 +267,8 @@ def read_yaml(path: Path):
 
 def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; name the config file in it (config.yaml)")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:

@@ -110,6 +110,24 @@ def test_preprocess_names_each_bad_row_with_its_number_and_reason(tmp_path, tiny
     assert not (tmp_path / "prepared").exists() or not any((tmp_path / "prepared").glob("*/columns.json"))
 
 
+def test_a_dataset_without_rows_is_one_line_before_launch(tmp_path, tiny_model):
+    """An empty file (or blank lines, an empty JSON array, a CSV header alone) is said as such before anything is
+    launched, not by a worker as 'no example has any response token left to train on'."""
+    from praisonai_accel.config import DatasetSpec
+    from praisonai_accel.data import DataError
+    from praisonai_accel.data.sources import read_rows
+
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n\n")
+    result = cli("train", str(config_file(tmp_path, tiny_model, data)), "--cpu")
+    assert one_error_line(result) == f"error: dataset {data}: holds no rows"
+    assert not (tmp_path / "out").exists()
+    for name, text in (("e.json", "[]"), ("h.csv", "instruction,output\n"), ("z.jsonl", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=f"^dataset {tmp_path / name}: holds no rows$"):
+            read_rows(DatasetSpec(name=str(tmp_path / name)))
+
+
 @pytest.mark.skipif(not PHI3.is_dir(), reason="../shared/fixtures/phi-3-mini is absent")
 def test_tool_calls_on_a_template_without_tools_are_refused_and_render_with_one_that_has_them(tmp_path, tiny_model):
     """Phi-3's own template has no place for a function call or a tool result: refused in one line naming the template

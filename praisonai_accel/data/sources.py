@@ -69,7 +69,16 @@ def _local_path(spec: DatasetSpec) -> Path | None:
 
 
 def read_rows(spec: DatasetSpec) -> RawRows:
-    """Every row of a dataset (the first num_samples of them), numbered."""
+    """Every row of a dataset (the first num_samples of them), numbered; a dataset without any is a DataError (checked
+    before launch, where it would otherwise be told as no example left to train on)."""
+    raw = _read_rows(spec)
+    if len(raw) == 0:
+        where = spec.name if spec.split in (None, "train") else f"{spec.name} (split {spec.split})"
+        raise DataError(f"dataset {where}: holds no rows")
+    return raw
+
+
+def _read_rows(spec: DatasetSpec) -> RawRows:
     path = _local_path(spec)
     if path is not None and path.is_file() and path.suffix.lower() in READ_HERE:
         try:

@@ -99,6 +99,11 @@ def test_missing_local_paths_are_caught_before_launch(tmp_path):
     assert result.exit_code == 2 and "model_name: no such directory" in result.output
     (tmp_path / "no-model").mkdir()
     result = CliRunner().invoke(app, ["train", str(path), "--cpu"])
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"error: model_name: '{tmp_path / 'no-model'}' holds no model (no config.json); name the folder a model was "
+        "saved in (save_pretrained), or a Hub id")
+    (tmp_path / "no-model" / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["train", str(path), "--cpu"])
     assert result.exit_code == 2 and "dataset[0].name: no such file or directory './data.jsonl'" in result.output
 
 

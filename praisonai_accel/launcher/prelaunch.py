@@ -34,8 +34,13 @@ def looks_local(name: str) -> bool:
 
 def check_local_inputs(config) -> None:
     """Missing local model/data paths, before any process is started."""
-    if looks_local(config.model_name) and not Path(config.model_name).expanduser().exists():
+    model_dir = Path(config.model_name).expanduser()
+    if looks_local(config.model_name) and not model_dir.exists():
         raise ConfigError(f"model_name: no such directory '{config.model_name}'")
+    if model_dir.is_dir() and not (model_dir / "config.json").is_file() and not (
+            model_dir / "adapter_config.json").is_file():
+        raise ConfigError(f"model_name: '{config.model_name}' holds no model (no config.json); name the folder a "
+                          "model was saved in (save_pretrained), or a Hub id")
     for key in ("dataset", "eval_dataset"):
         for index, spec in enumerate(getattr(config, key) or []):
             path = Path(spec.name).expanduser()

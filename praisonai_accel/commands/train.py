@@ -178,8 +178,10 @@ def hold_run_lock(cfg, nodes) -> None:
 
     try:
         launcher_lock(cfg.output_path(), nodes)
-    except (RunLocked, OSError) as exc:
+    except RunLocked as exc:
         fail(first_line(exc))
+    except OSError as exc:  # a folder it may not write in, a full disk
+        fail(f"output_dir: cannot write in '{cfg.output_dir}': {exc.strerror or first_line(exc)}")
 
 
 def check_rows_before_launch(cfg):

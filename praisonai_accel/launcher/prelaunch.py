@@ -41,6 +41,8 @@ def check_local_inputs(config) -> None:
             model_dir / "adapter_config.json").is_file():
         raise ConfigError(f"model_name: '{config.model_name}' holds no model (no config.json); name the folder a "
                           "model was saved in (save_pretrained), or a Hub id")
+    for key in ("output_dir", "dataset_prepared_path"):
+        check_folder(key, getattr(config, key, None))
     for key in ("dataset", "eval_dataset"):
         for index, spec in enumerate(getattr(config, key) or []):
             path = Path(spec.name).expanduser()
@@ -51,6 +53,18 @@ def check_local_inputs(config) -> None:
                                   f"(use {', '.join(LOCAL_SUFFIXES)})")
     check_chat_template(config)
     type(config).training_method.check_launch(config)  # GRPO: reward_funcs and tools import and take TRL's call
+
+
+def check_folder(key: str, value: str | None) -> None:
+    """A folder the run creates and writes in: neither it nor the nearest part of its path that exists is a file."""
+    if not value:
+        return
+    path = Path(value).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing == path and not path.is_dir():
+        raise ConfigError(f"{key}: '{value}' is a file; name a folder (created if missing)")
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"{key}: '{value}' is inside '{existing}', which is a file")
 
 
 def check_chat_template(config) -> None:

@@ -107,6 +107,39 @@ def test_missing_local_paths_are_caught_before_launch(tmp_path):
     assert result.exit_code == 2 and "dataset[0].name: no such file or directory './data.jsonl'" in result.output
 
 
+def test_an_output_dir_that_is_a_file_or_inside_one_is_one_line_before_launch(tmp_path):
+    """It was `error: [Errno 17] File exists: ...` from train, and a NotADirectoryError traceback from preview (which
+    writes its cache there)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "data.jsonl").write_text('{"instruction": "q", "output": "a"}\n')
+    (tmp_path / "afile").write_text("mine")
+    for output_dir, expected in (
+            ("afile", f"output_dir: '{tmp_path / 'afile'}' is a file; name a folder (created if missing)"),
+            ("afile/run", f"output_dir: '{tmp_path / 'afile/run'}' is inside '{tmp_path / 'afile'}', which is a file")):
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump({"model_name": str(tmp_path / "model"), "dataset": str(tmp_path / "data.jsonl"),
+                                        "output_dir": str(tmp_path / output_dir)}))
+        for command in ("train", "preview"):
+            result = CliRunner().invoke(app, [command, str(path), "--cpu"] if command == "train" else [command, str(path)])
+            assert result.exit_code == 2 and result.output.strip() == f"error: {expected}", (command, result.output)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_path_under_home_is_under_home_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    """`output_dir: ~/runs/a` was a folder named `~` in the working directory (a later `rm -rf ~` to tidy it up
+    removes the home folder): paths are expanded as a shell and transformers' TrainingArguments expand them."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = parse_config({**BASE, "model_name": "~/models/m", "output_dir": "~/runs/a", "final_model_dir": "~/final",
+                        "dataset_prepared_path": "~/prepared", "resume_from_checkpoint": "~/runs/a/checkpoint-2"})
+    home = tmp_path / "home"
+    assert (cfg.model_name, cfg.output_dir, cfg.final_model_dir, cfg.dataset_prepared_path,
+            cfg.resume_from_checkpoint) == (f"{home}/models/m", f"{home}/runs/a", f"{home}/final", f"{home}/prepared",
+                                            f"{home}/runs/a/checkpoint-2")
+    assert parse_config({**BASE, "model_name": "org/model~1"}).model_name == "org/model~1"
+    assert parse_config(BASE).resume_from_checkpoint is True
+
+
 def test_numbers_in_exponent_form_are_floats_and_seed_keys_are_accepted():
     text = "model_name: m\nlearning_rate: 2e-4\nrandom_state: 7\nhf_model_name: me/model\n" \
            "dataset:\n  - name: yahma/alpaca-cleaned\n    split_type: train[:10]\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ DEEPSPEED_REFUSED = ("DeepSpeed is not supported: its engine would step the opti
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 
 
+# the keys that name a path on this machine (a model, a Hub id otherwise)
+HOME_RELATIVE_KEYS = ("model_name", "tokenizer_name", "output_dir", "final_model_dir", "dataset_prepared_path",
+                      "eval_include_path", "resume_from_checkpoint")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -63,6 +69,13 @@ class TrainConfig(GGUFKeys, PublishKeys, EvalKeys, CheckpointKeys, OutputKeys, L
                   OptimizerKeys, FinetuneKeys, DataKeys, ModelKeys, MethodChoice, VisionKeys, _Strict):
     """Every key of config.yaml: the groups of config_keys.py, `method:` (the chosen method's own keys are composed
     in: config_method.py) and the vision keys, and the rules that span groups."""
+
+    @field_validator(*HOME_RELATIVE_KEYS)
+    @classmethod
+    def _home(cls, value):
+        """`~/runs/a` is under the home folder, as in a shell and in transformers' TrainingArguments (not a folder
+        named `~` in the working directory)."""
+        return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
     @field_validator("sequence_parallel_size")
     @classmethod

@@ -365,6 +365,49 @@ def test_generate_and_chat_answer_with_the_trained_model(trained):
     assert missing.returncode == 2 and "no such directory" in missing.stderr
 
 
+def test_chat_on_a_terminal_ctrl_c_drops_the_reply_under_way_and_ends_at_the_prompt(monkeypatch, capsys):
+    """Ctrl-C during a reply: that message and reply are dropped (the next message follows the last whole exchange)
+    and the chat goes on; Ctrl-C at the prompt ends it on a line of its own, exit 0, no traceback. Piped, Ctrl-C
+    is left as it is (the process stops)."""
+    from praisonai_accel.commands import chat
+    from praisonai_accel.models import inference
+
+    typed = iter(["first\n", "second\n", "third\n", KeyboardInterrupt])
+    seen = []
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+        def readline(self):
+            line = next(typed)
+            if line is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return line
+
+    def generate(_model, _tokenizer, messages, *_args, **_kwargs):
+        seen.append([m["content"] for m in messages])
+        if messages[-1]["content"] == "second":
+            raise KeyboardInterrupt
+        return f"re: {messages[-1]['content']}"
+
+    monkeypatch.setattr(chat, "_load", lambda *_args: (None, None, None))
+    monkeypatch.setattr(inference, "generate", generate)
+    monkeypatch.setattr(chat.sys, "stdin", Terminal())
+    chat.chat_command(Path("run"), system=None, max_new_tokens=8, temperature=0.0, trust_remote_code=False,
+                      image=None)
+    assert seen == [["first"], ["first", "re: first", "second"], ["first", "re: first", "third"]]
+    out = capsys.readouterr().out
+    assert out == ("you> model> re: first\nyou> \n(stopped; that message is dropped)\nyou> model> re: third\n"
+                   "you> \n")
+
+    typed = iter(["first\n", "second\n"])
+    monkeypatch.setattr(chat.sys, "stdin", type("Piped", (Terminal,), {"isatty": lambda self: False})())
+    with pytest.raises(KeyboardInterrupt):
+        chat.chat_command(Path("run"), system=None, max_new_tokens=8, temperature=0.0, trust_remote_code=False,
+                          image=None)
+
+
 def test_ollama_merges_first_for_architectures_its_converter_cannot_take(tmp_path, alpaca_file):
     """Ollama converts safetensors LoRA adapters only for Llama-family and Gemma 2 bases: a Qwen3-MoE adapter is merged
     and the model created from the merged weights, said in one line."""

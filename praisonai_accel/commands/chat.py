@@ -55,8 +55,9 @@ def chat_command(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="run the model's own code (as trained with trust_remote_code: true)"),
     image: Optional[List[Path]] = typer.Option(None, "--image", help=_IMAGE_HELP),
 ) -> None:
-    """Chat with the model on stdin (one message per line; empty line or EOF ends)."""
-    from ..models.inference import generate
+    """Chat with the model on stdin (one message per line; empty line or EOF ends). On a terminal, Ctrl-C during a
+    reply drops that message and its reply, and at the prompt ends the chat."""
+    from ..models import inference
 
     model, tokenizer, images = _load(path, trust_remote_code, image, "chat")
     messages = [{"role": "system", "content": system}] if system else []
@@ -64,11 +65,25 @@ def chat_command(
     while True:
         if interactive:
             typer.echo("you> ", nl=False)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            line = ""
         if not line or not line.strip() or line.strip() in ("exit", "quit"):
+            if interactive and not line.endswith("\n"):  # Ctrl-D or Ctrl-C: the shell's prompt on a line of its own
+                typer.echo("")
             break
         messages.append({"role": "user", "content": line.strip()})
-        reply = generate(model, tokenizer, messages, max_new_tokens, temperature, images=images)
+        try:
+            reply = inference.generate(model, tokenizer, messages, max_new_tokens, temperature, images=images)
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            messages.pop()  # as if never sent: the next message follows the last full exchange
+            typer.echo("\n(stopped; that message is dropped)")
+            continue
         messages.append({"role": "assistant", "content": reply})
         typer.echo(f"model> {reply}" if interactive else reply)
 

@@ -147,6 +147,24 @@ def test_the_lock_is_held_for_the_run_and_released_at_its_end(tmp_path, tiny_mod
     assert result.returncode == 0 and "warning" not in result.stderr, result.stderr[-3000:]
     assert not (out / LOCK_NAME).exists()
 
+    # that run finished without a checkpoint (save_strategy: no): another run (seed 7) would have replaced its model,
+    # metrics and summary without a word; refused before launch as another run's checkpoints are, and by the worker
+    from praisonai_accel.checks import resume_rule
+    from praisonai_accel.config import ConfigError, load_config
+
+    final = out / "lora_model" / "adapter_model.safetensors"
+    stamp, before = final.stat().st_mtime_ns, sorted(p.name for p in out.iterdir())
+    other = write_config(tmp_path, tiny_model, alpaca_file, max_steps=3, seed=7)
+    refused = cli("train", str(other), "--cpu", "--num-processes", "2")
+    expected = (f"error: output_dir: {out} holds a finished run of another config (seed differ), its model in "
+                f"{out / 'lora_model'}; use another output_dir, or overwrite_output_dir: true to replace it")
+    assert refused.returncode == 2 and refused.stderr.strip() == expected, refused.stderr[-3000:]
+    assert final.stat().st_mtime_ns == stamp and sorted(p.name for p in out.iterdir()) == before
+    with pytest.raises(ConfigError, match="holds a finished run of another config"):
+        resume_rule(load_config(other), 2)
+    assert resume_rule(load_config(write_config(tmp_path, tiny_model, alpaca_file, max_steps=3, seed=7,
+                                                overwrite_output_dir=True)), 2) == (None, 0, None)
+
 
 def _text(path: Path) -> str:
     try:

@@ -125,10 +125,33 @@ def trouble(path: Path) -> tuple[str | None, bool]:
 
 def differences(saved: CheckpointState, identity: dict) -> str:
     """The keys that make the checkpoint's run another run, as the user wrote them."""
-    if saved.run_identity is None:
+    return differing_keys(saved.run_identity, identity)
+
+
+def differing_keys(saved: dict | None, identity: dict) -> str:
+    if saved is None:
         return "model, data, LoRA or seed"
-    keys = sorted(k for k in set(saved.run_identity) | set(identity) if saved.run_identity.get(k) != identity.get(k))
+    keys = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
     return ", ".join(keys) or "the run fingerprint"
+
+
+def refuse_another_finished_run(output_dir: Path, run_fingerprint: str, identity: dict) -> None:
+    """An output_dir without checkpoints (save_strategy: no, the default) may still hold a finished run: its final
+    model, metrics and summary, which another run would replace. Refused as another run's checkpoints are; the same
+    run again trains from step 0 (there is nothing to resume from), and a run that never finished has nothing to lose."""
+    try:
+        progress = json.loads((Path(output_dir) / "progress.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(progress, dict):
+        return
+    saved = progress.get("run_fingerprint")
+    if progress.get("status") != "finished" or saved is None or saved == run_fingerprint:
+        return
+    raise ConfigError(
+        f"output_dir: {output_dir} holds a finished run of another config ({differing_keys(progress.get('run_identity'), identity)} "
+        f"differ), its model in {progress.get('final_model_dir')}; use another output_dir, or overwrite_output_dir: "
+        "true to replace it")
 
 
 def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: str, overwrite: bool,
@@ -153,7 +176,10 @@ def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: 
         check_safe_to_load(path)
         return path
     existing = complete_checkpoints(output_dir)
-    if overwrite or not existing:
+    if overwrite:
+        return None
+    if not existing:
+        refuse_another_finished_run(output_dir, run_fingerprint, identity)
         return None
     if resume is False:
         raise ConfigError(

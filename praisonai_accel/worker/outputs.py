@@ -68,17 +68,20 @@ def peak_gpu_memory_mib() -> float | None:
 
 def write_progress(output_dir: Path, status: str, global_step: int, total_steps: int, num_processes: int,
                    final_model_dir: Path, method: str, config_dir: str | None, headline=(), config_file=None,
-                   **ended) -> None:
+                   run: tuple[str, dict] | None = None, **ended) -> None:
     """output_dir/progress.json: what `report` reads of a run in progress or ended (rank 0 calls this). `status`:
     running, finished, interrupted (Ctrl-C), preempted (SIGTERM / SIGUSR1) or failed; `ended` adds how (signal,
     exit_code). The method (and the config's directory, where a method's module may be) say which rows the method
-    adds; `headline` its headline metrics; `config_file` the config it was started with (export gguf reads its rows)."""
+    adds; `headline` its headline metrics; `config_file` the config it was started with (export gguf reads its rows);
+    `run` its (run_fingerprint, run_identity): another run is refused this output_dir once it has finished."""
     import time
 
+    fingerprint, identity = run or (None, None)
     write_json_atomic({"status": status, "global_step": global_step, "total_steps": total_steps,
                        "num_processes": num_processes, "updated": time.time(), "final_model_dir": str(final_model_dir),
                        "headline_metrics": list(headline), "method": method,
-                       "config_dir": config_dir, "config_file": config_file, **ended}, output_dir / "progress.json")
+                       "config_dir": config_dir, "config_file": config_file, "run_fingerprint": fingerprint,
+                       "run_identity": identity, **ended}, output_dir / "progress.json")
 
 
 def record_end(output_dir: Path, status: str, exit_code: int, replaces: tuple[str, ...] = ("running",)) -> None:

@@ -140,6 +140,22 @@ def test_a_path_under_home_is_under_home_not_a_folder_named_tilde(tmp_path, monk
     assert parse_config(BASE).resume_from_checkpoint is True
 
 
+def test_max_seq_length_over_the_models_positions_is_a_warning_unless_rope_scaling_stretches_them():
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from praisonai_accel.models.loading import context_warning
+
+    assert context_warning(1024, LlamaConfig(max_position_embeddings=512)) == (
+        "warning: max_seq_length 1024 is over the model's max_position_embeddings 512: rows longer than 512 tokens "
+        "take positions it was never trained on (its quality falls there, without an error); lower max_seq_length, "
+        "or use a model with a longer context")
+    assert context_warning(512, LlamaConfig(max_position_embeddings=512)) is None
+    assert context_warning(1024, LlamaConfig(max_position_embeddings=512,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})) is None
+    gemma = Gemma3TextConfig(max_position_embeddings=512)  # rope parameters per layer type
+    assert context_warning(1024, gemma) is not None and context_warning(256, gemma) is None
+
+
 def test_numbers_in_exponent_form_are_floats_and_seed_keys_are_accepted():
     text = "model_name: m\nlearning_rate: 2e-4\nrandom_state: 7\nhf_model_name: me/model\n" \
            "dataset:\n  - name: yahma/alpaca-cleaned\n    split_type: train[:10]\n"

@@ -26,6 +26,24 @@ SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (method
 log = logging.getLogger(__name__)
 
 
+def context_warning(max_seq_length: int, model_config) -> str | None:
+    """A warning when rows may be longer than the positions the model was trained on (its max_position_embeddings)
+    and no RoPE scaling stretches them: past that length, quality degrades without an error. None otherwise."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    positions = next((getattr(config, key, None) for key in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(config, key, None), int)), None)
+    if positions is None or max_seq_length <= positions:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope.get("rope_type")] if "rope_type" in rope else [v.get("rope_type") for v in rope.values()
+                                                                  if isinstance(v, dict)]
+    if any(kind not in (None, "default") for kind in kinds):
+        return None  # the model's own scaling: its max_position_embeddings is already the stretched length
+    return (f"warning: max_seq_length {max_seq_length} is over the model's max_position_embeddings {positions}: "
+            f"rows longer than {positions} tokens take positions it was never trained on (its quality falls there, "
+            "without an error); lower max_seq_length, or use a model with a longer context")
+
+
 @dataclass
 class Backend:
     name: str  # "unsloth" | "transformers"

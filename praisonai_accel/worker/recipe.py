@@ -28,8 +28,8 @@ from ..logs import quiet_libraries
 from ..methods import method_for
 from ..models.host_embedding import ddp_ignore_host_tensors
 from ..models.loading import (
-    choose_backend, load_model_and_tokenizer, parameters_without_gradient, resolve_commit, trainable_parameter_count,
-    uses_reentrant_checkpointing,
+    choose_backend, context_warning, load_model_and_tokenizer, parameters_without_gradient, resolve_commit,
+    trainable_parameter_count, uses_reentrant_checkpointing,
 )
 from ..evaluate.results import latest_eval
 from ..publish.hub import model_card
@@ -123,6 +123,8 @@ class Recipe:
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
+        if (warning := context_warning(config.max_seq_length, model.config)) and accelerator.is_main_process:
+            log.warning(warning)
         check_run(Situation(config, accelerator.num_processes, "loaded", model_config=model.config, inputs=self.inputs))
         self.sp = start_groups(config)
 
@@ -336,6 +338,7 @@ class Recipe:
                                    self.accelerator.num_processes, self.config.final_model_path(),
                                    self.config.method, self.config._config_dir, headline=self.headline,
                                    config_file=self.config._config_file,
+                                   run=(self.state.run_fingerprint, self.state.run_identity),
                                    data_formats=self.preprocess.get("formats") or None, **ended)
 
     def _finish(self, started: float, stopped_early: bool) -> dict:

@@ -138,7 +138,7 @@ def differing_keys(saved: dict | None, identity: dict) -> str:
 def refuse_another_finished_run(output_dir: Path, run_fingerprint: str, identity: dict) -> None:
     """An output_dir without checkpoints (save_strategy: no, the default) may still hold a finished run: its final
     model, metrics and summary, which another run would replace. Refused as another run's checkpoints are; the same
-    run again trains from step 0 (there is nothing to resume from), and a run that never finished has nothing to lose."""
+    run again trains from step 0 (there is nothing to resume from); a run that never finished has nothing to lose."""
     try:
         progress = json.loads((Path(output_dir) / "progress.json").read_text())
     except (OSError, ValueError):
@@ -148,10 +148,10 @@ def refuse_another_finished_run(output_dir: Path, run_fingerprint: str, identity
     saved = progress.get("run_fingerprint")
     if progress.get("status") != "finished" or saved is None or saved == run_fingerprint:
         return
+    differ = differing_keys(progress.get("run_identity"), identity)
     raise ConfigError(
-        f"output_dir: {output_dir} holds a finished run of another config ({differing_keys(progress.get('run_identity'), identity)} "
-        f"differ), its model in {progress.get('final_model_dir')}; use another output_dir, or overwrite_output_dir: "
-        "true to replace it")
+        f"output_dir: {output_dir} holds a finished run of another config ({differ} differ), its model in "
+        f"{progress.get('final_model_dir')}; use another output_dir, or overwrite_output_dir: true to replace it")
 
 
 def checkpoint_to_resume(output_dir: Path, resume: bool | str, run_fingerprint: str, overwrite: bool,

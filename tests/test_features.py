@@ -120,8 +120,9 @@ def test_resume_from_an_explicit_checkpoint_with_more_processes_and_refusals(tmp
     assert read_summary(out)["global_step"] == 6 and read_summary(out)["num_processes"] == 2
     for change, value in (("model_name", str(tmp_path / "other-model")), ("seed", 7),
                           ("dataset", [{"name": str(alpaca_file), "num_samples": 10}])):
-        if change == "model_name":
+        if change == "model_name":  # another model's folder (its config is all the refusal needs)
             (tmp_path / "other-model").mkdir(exist_ok=True)
+            (tmp_path / "other-model" / "config.json").write_text((tiny_model / "config.json").read_text())
         other = write_config(tmp_path, tiny_model, alpaca_file, max_steps=8, **{**common, change: value})
         refused = cli("train", str(other), "--dry-run")
         assert refused.returncode == 2 and "holds checkpoints of another run" in refused.stderr, (change, refused.stderr)

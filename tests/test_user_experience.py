@@ -131,6 +131,14 @@ def test_report_on_a_run_that_was_interrupted(tmp_path):
     assert "interrupted" in result.stdout and "5 of 20" in result.stdout and "checkpoint-2, checkpoint-4" in result.stdout
     assert "2.9000 -> 2.5000" in result.stdout and "not saved yet" in result.stdout
     assert (out / "loss.png").is_file()
+    # a folder that holds no run at all was 'status: not started', exit 0: now it says so, and writes no loss.png
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    result = cli("report", str(tmp_path / "notes"))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {tmp_path / 'notes'}: holds no training run (no progress.json, metrics.jsonl or checkpoint-N); "
+        "name a run's output_dir")
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
 
 
 # ---------------------------------------------------------------- one-line errors before launch

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import typer
 
+from ..run_dir.lock import LOCK_NAME
 from ._common import fail
 
 log = logging.getLogger("praisonai_accel")
+
+# what a run writes in its output_dir from its start (the lock, taken before anything else) to its end
+RUN_FILES = (LOCK_NAME, "progress.json", "metrics.jsonl", "train_summary.json", "logs")
 
 
 def report_command(output_dir: Path = typer.Argument(..., help="a training output_dir")) -> None:
@@ -19,6 +23,9 @@ def report_command(output_dir: Path = typer.Argument(..., help="a training outpu
 
     if not output_dir.is_dir():
         fail(f"{output_dir}: no such directory")
+    if not any((output_dir / name).exists() for name in RUN_FILES) and not any(output_dir.glob("checkpoint-*")):
+        fail(f"{output_dir}: holds no training run (no progress.json, metrics.jsonl or checkpoint-N); name a run's "
+             "output_dir")
     run = read_run(output_dir, method_rows)
     rows = run.rows() + eval_rows(output_dir)  # the latest `praisonai-accel eval` of this run, if any
     width = max(len(name) for name, _ in rows)

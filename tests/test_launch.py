@@ -214,6 +214,24 @@ def test_env_command_reports_versions_devices_and_optional_backends():
     assert out.count("bitsandbytes:") == 1 and out.count("unsloth:") == 1, out  # one line each, installed or not
 
 
+def test_the_demo_refuses_a_folder_of_the_users_before_writing_anything(tmp_path):
+    """`demo --dir` on a folder holding the user's own data.jsonl and config.yaml replaced them with the demo's; a
+    folder no demo marked that holds anything, or a file, is now one line, exit 2, untouched."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.jsonl").write_text('{"my": "rows"}\n')
+    (mine / "config.yaml").write_text("model_name: mine\n")
+    for method in ("sft", "dpo", "agent"):
+        result = CliRunner().invoke(app, ["demo", "--method", method, "--dir", str(mine)])
+        assert result.exit_code == 2 and result.output.strip() == (
+            f"error: --dir {mine}: holds files no demo wrote (config.yaml, data.jsonl); the demo writes its model, data "
+            "and config there, so name a new or empty folder"), result.output
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "data.jsonl"]
+    assert (mine / "data.jsonl").read_text() == '{"my": "rows"}\n'
+    result = CliRunner().invoke(app, ["demo", "--vision", "--dir", str(mine / "data.jsonl")])
+    assert result.exit_code == 2 and "is a file; name a new or empty folder" in result.output
+
+
 def test_demo_command_visibly_learns_on_two_cpu_processes(tmp_path):
     """The demo's tiny model learns to reverse names it never saw in that order: held-out exact-match accuracy
     from about 0% to at least 90%, with 3 answers shown before and after; building it prints nothing."""
@@ -231,6 +249,7 @@ def test_demo_command_visibly_learns_on_two_cpu_processes(tmp_path):
     assert result.stderr.splitlines()[:2][0].startswith("building a tiny model")
     assert result.stderr.splitlines()[1].startswith("$ ")  # nothing from the libraries before the launch
     assert (tmp_path / "demo" / "outputs" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "demo" / ".praisonai-accel-demo").is_file()  # the folder is the demo's: later demos write there
     if importlib.util.find_spec("lm_eval") is not None:  # it ends with the eval table of its own task
         assert "demo_reverse: base against tuned (lm-eval)" in result.stdout
         latest = json.loads(next((tmp_path / "demo" / "outputs" / "eval").glob("*.json")).read_text())

@@ -214,7 +214,10 @@ def test_qlora_trains_the_adapter_and_the_score_head(tmp_path, tiny_model, pairs
 def test_demo_reward_trains_a_reward_model_and_shows_held_out_accuracy(tmp_path, tiny_model):
     import shutil
 
+    from praisonai_accel.commands._demo import DEMO_MARKER
+
     shutil.copytree(tiny_model, tmp_path / "outputs" / "model")  # stands in for the SFT demo's model
+    (tmp_path / DEMO_MARKER).write_text("")  # a folder the SFT demo ran in
     result = cli("demo", "--method", "reward", "--dir", str(tmp_path), "--steps", "12")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training it first" not in result.stderr

@@ -9,6 +9,29 @@ from pathlib import Path
 import typer
 
 
+# written in a folder the demo takes: later demos (and re-runs) write there again; a folder without it that holds
+# anything is the user's, and the demo's data.jsonl and config.yaml would replace files of theirs
+DEMO_MARKER = ".praisonai-accel-demo"
+
+
+def claim_demo_dir(directory: Path) -> None:
+    """--dir: a new or empty folder (marked as the demo's), or one a demo marked; anything else is refused before a
+    file is written."""
+    from ..config import ConfigError
+
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--dir {directory}: is a file; name a new or empty folder for the demo")
+    if (directory / DEMO_MARKER).is_file():
+        return
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ConfigError(f"--dir {directory}: holds files no demo wrote ({shown}); the demo writes its model, data "
+                          "and config there, so name a new or empty folder")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / DEMO_MARKER).write_text("a folder of praisonai-accel demos: `praisonai-accel demo --dir` writes here\n")
+
+
 def sft_demo_model(directory: Path, train_sft) -> Path:
     """The SFT demo's final model under `directory`, trained first (`train_sft()`) when it is absent."""
     model = directory / "outputs" / "model"

@@ -33,18 +33,18 @@ def demo_command(
     teaches a tiny model to call an add tool with the right numbers and say its result (GRPO with tools, multi-turn
     trajectories), showing held-out success before and after. --vision: a tiny
     vision-language model learns to name the colour of a drawn shape, held-out exact match before and after."""
+    from ..config import ConfigError
+    from ._demo import claim_demo_dir
+
+    if vision and method != "sft":
+        raise ConfigError(f"--vision: the vision demo trains with sft; drop --method {method}")
+    if method not in ("sft", "dpo", "grpo", "reward", "agent"):
+        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo, grpo, reward or agent")
+    claim_demo_dir(directory)
     if vision:
         from .demo_vision import vision_demo
 
-        if method != "sft":
-            from ..config import ConfigError
-
-            raise ConfigError(f"--vision: the vision demo trains with sft; drop --method {method}")
         return vision_demo(directory, processes, steps)
-    if method not in ("sft", "dpo", "grpo", "reward", "agent"):
-        from ..config import ConfigError
-
-        raise ConfigError(f"--method: {method!r} has no demo; use sft, dpo, grpo, reward or agent")
     if method == "agent":  # commands/demo_agent.py
         from .demo_agent import agent_demo
 

@@ -230,6 +230,18 @@ def test_the_demo_refuses_a_folder_of_the_users_before_writing_anything(tmp_path
     assert (mine / "data.jsonl").read_text() == '{"my": "rows"}\n'
     result = CliRunner().invoke(app, ["demo", "--vision", "--dir", str(mine / "data.jsonl")])
     assert result.exit_code == 2 and "is a file; name a new or empty folder" in result.output
+    # a demo's folder from before the marker (its config trains the demo's model in it) is still the demo's
+    from praisonai_accel.commands._demo import DEMO_MARKER, claim_demo_dir
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "data.jsonl").write_text("")
+    (earlier / "config.yaml").write_text(yaml.safe_dump({"model_name": str(earlier / "tiny-llama")}))
+    claim_demo_dir(earlier)
+    assert (earlier / DEMO_MARKER).is_file()
+    (mine / "config.yaml").write_text(yaml.safe_dump({"model_name": str(mine / "models" / "llama")}))
+    with pytest.raises(Exception, match="holds files no demo wrote"):
+        claim_demo_dir(mine)
 
 
 def test_demo_command_visibly_learns_on_two_cpu_processes(tmp_path):

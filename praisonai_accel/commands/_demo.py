@@ -24,12 +24,33 @@ def claim_demo_dir(directory: Path) -> None:
     if (directory / DEMO_MARKER).is_file():
         return
     held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    if held:
+    if held and not _written_by_an_earlier_demo(directory):
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise ConfigError(f"--dir {directory}: holds files no demo wrote ({shown}); the demo writes its model, data "
                           "and config there, so name a new or empty folder")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / DEMO_MARKER).write_text("a folder of praisonai-accel demos: `praisonai-accel demo --dir` writes here\n")
+
+
+# each demo's config file, and the models they start from, inside the demo's folder
+_DEMO_CONFIGS = ("config.yaml", "dpo_config.yaml", "grpo_config.yaml", "reward_config.yaml", "agent_config.yaml",
+                 "vision_config.yaml")
+_DEMO_MODELS = ("tiny-llama", "tiny-idefics3", "agent_base", "outputs/model")
+
+
+def _written_by_an_earlier_demo(directory: Path) -> bool:
+    """A demo folder from before the marker: one of the demos' configs there trains one of their models in it."""
+    import yaml
+
+    models = {(directory / name).resolve() for name in _DEMO_MODELS}
+    for name in _DEMO_CONFIGS:
+        try:
+            model = (yaml.safe_load((directory / name).read_text()) or {}).get("model_name")
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            continue
+        if isinstance(model, str) and Path(model).resolve() in models:
+            return True
+    return False
 
 
 def sft_demo_model(directory: Path, train_sft) -> Path:

@@ -232,6 +232,7 @@ def test_the_demo_refuses_a_folder_of_the_users_before_writing_anything(tmp_path
     assert result.exit_code == 2 and "is a file; name a new or empty folder" in result.output
     # a demo's folder from before the marker (its config trains the demo's model in it) is still the demo's
     from praisonai_accel.commands._demo import DEMO_MARKER, claim_demo_dir
+    from praisonai_accel.config import ConfigError
 
     earlier = tmp_path / "earlier"
     earlier.mkdir()
@@ -240,7 +241,7 @@ def test_the_demo_refuses_a_folder_of_the_users_before_writing_anything(tmp_path
     claim_demo_dir(earlier)
     assert (earlier / DEMO_MARKER).is_file()
     (mine / "config.yaml").write_text(yaml.safe_dump({"model_name": str(mine / "models" / "llama")}))
-    with pytest.raises(Exception, match="holds files no demo wrote"):
+    with pytest.raises(ConfigError, match="holds files no demo wrote"):
         claim_demo_dir(mine)
 
 

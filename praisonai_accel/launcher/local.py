@@ -310,7 +310,9 @@ class Running:
 def start_subprocess(command: Sequence[str], env: dict[str, str], hold: bool = False) -> Running:
     """Start the launcher in its own process group, its stderr relayed (held back until release() with `hold`)."""
     full_env = {**os.environ, **env}
-    relay = "accelerate.commands.launch" in command and full_env.get(VERBOSE_ENV) != "1"
+    # one worker too: it writes while this process may still draw its own tokenizing bar (preprocess_beside_workers)
+    relay = ("accelerate.commands.launch" in command or "praisonai_accel.train" in command) and \
+        full_env.get(VERBOSE_ENV) != "1"
     if relay and sys.stderr.isatty():
         full_env[TTY_ENV] = "1"  # the workers' progress bar is for a terminal, though it reaches it through a pipe
         columns = os.get_terminal_size(sys.stderr.fileno()).columns

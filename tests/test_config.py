@@ -154,6 +154,9 @@ def test_max_seq_length_over_the_models_positions_is_a_warning_unless_rope_scali
                                              rope_scaling={"rope_type": "linear", "factor": 2.0})) is None
     gemma = Gemma3TextConfig(max_position_embeddings=512)  # rope parameters per layer type
     assert context_warning(1024, gemma) is not None and context_warning(256, gemma) is None
+    # no example that long (the default max_seq_length on a small model's short rows): nothing to say
+    assert context_warning(2048, LlamaConfig(max_position_embeddings=512), [35, 40, 512]) is None
+    assert context_warning(2048, LlamaConfig(max_position_embeddings=512), [35, 513]) is not None
 
 
 def test_numbers_in_exponent_form_are_floats_and_seed_keys_are_accepted():

@@ -26,13 +26,15 @@ SEQUENCE_CLASSIFIER = "sequence-classification"  # a method's model_head (method
 log = logging.getLogger(__name__)
 
 
-def context_warning(max_seq_length: int, model_config) -> str | None:
+def context_warning(max_seq_length: int, model_config, example_lengths=None) -> str | None:
     """A warning when rows may be longer than the positions the model was trained on (its max_position_embeddings)
-    and no RoPE scaling stretches them: past that length, quality degrades without an error. None otherwise."""
+    and no RoPE scaling stretches them: past that length, quality degrades without an error. None otherwise, and
+    when no example (`example_lengths`: a pair's counts both rows) is that long."""
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     positions = next((getattr(config, key, None) for key in ("max_position_embeddings", "n_positions")
                       if isinstance(getattr(config, key, None), int)), None)
-    if positions is None or max_seq_length <= positions:
+    longest = max(example_lengths, default=0) if example_lengths is not None else max_seq_length
+    if positions is None or min(max_seq_length, longest) <= positions:
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kinds = [rope.get("rope_type")] if "rope_type" in rope else [v.get("rope_type") for v in rope.values()

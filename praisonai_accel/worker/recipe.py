@@ -123,13 +123,14 @@ class Recipe:
         trainable, total = trainable_parameter_count(model)
         log.info("model: %s | trainable parameters: %s of %s (%.2f%%)", config.model_name, f"{trainable:,}",
                  f"{total:,}", 100 * trainable / max(total, 1))
-        if (warning := context_warning(config.max_seq_length, model.config)) and accelerator.is_main_process:
-            log.warning(warning)
         check_run(Situation(config, accelerator.num_processes, "loaded", model_config=model.config, inputs=self.inputs))
         self.sp = start_groups(config)
 
         train_data, self.eval_data, self.preprocess = load_training_data(accelerator, config, self.tokenizer, cache_shared,
                                                                          self.method.data(self.tokenizer))
+        lengths = getattr(train_data, "example_lengths", None)
+        if accelerator.is_main_process and (warning := context_warning(config.max_seq_length, model.config, lengths)):
+            log.warning(warning)
         self.collate = self.method.collator(self.tokenizer.pad_token_id)
         self.task_eval = TaskEvaluation.build(config, self.tokenizer, self._eval_batch_size(), fsdp_requested(),
                                               self.preprocess.get("formats"), self.inputs.vision)

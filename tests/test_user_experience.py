@@ -136,8 +136,8 @@ def test_report_on_a_run_that_was_interrupted(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     result = cli("report", str(tmp_path / "notes"))
     assert result.returncode == 2 and result.stderr.strip() == (
-        f"error: {tmp_path / 'notes'}: holds no training run (no progress.json, metrics.jsonl or checkpoint-N); "
-        "name a run's output_dir")
+        f"error: {tmp_path / 'notes'}: holds no training run (no progress.json, metrics.jsonl, checkpoint-N or eval "
+        "results); name a run's output_dir")
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
 
 

@@ -12,8 +12,9 @@ from ._common import fail
 
 log = logging.getLogger("praisonai_accel")
 
-# what a run writes in its output_dir from its start (the lock, taken before anything else) to its end
-RUN_FILES = (LOCK_NAME, "progress.json", "metrics.jsonl", "train_summary.json", "logs")
+# what a run writes in its output_dir from its start (the lock, taken before anything else) to its end, and the
+# results `eval` keeps there
+RUN_FILES = (LOCK_NAME, "progress.json", "metrics.jsonl", "train_summary.json", "logs", "eval")
 
 
 def report_command(output_dir: Path = typer.Argument(..., help="a training output_dir")) -> None:
@@ -24,8 +25,8 @@ def report_command(output_dir: Path = typer.Argument(..., help="a training outpu
     if not output_dir.is_dir():
         fail(f"{output_dir}: no such directory")
     if not any((output_dir / name).exists() for name in RUN_FILES) and not any(output_dir.glob("checkpoint-*")):
-        fail(f"{output_dir}: holds no training run (no progress.json, metrics.jsonl or checkpoint-N); name a run's "
-             "output_dir")
+        fail(f"{output_dir}: holds no training run (no progress.json, metrics.jsonl, checkpoint-N or eval results); "
+             "name a run's output_dir")
     run = read_run(output_dir, method_rows)
     rows = run.rows() + eval_rows(output_dir)  # the latest `praisonai-accel eval` of this run, if any
     width = max(len(name) for name, _ in rows)

@@ -321,7 +321,7 @@ def _interrupted_while_scoring(setup, tmp_path, *args: str):
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    rows = (setup["tasks"] / "tiny_gen.jsonl").read_text() * 400  # 4,800 documents: minutes of generation
+    rows = (setup["tasks"] / "tiny_gen.jsonl").read_text() * 400  # 4,800 documents: still generating at the signal
     (tasks / "long_gen.jsonl").write_text(rows)
     (tasks / "long_gen.yaml").write_text(_gen_yaml("long_gen", tasks / "long_gen.jsonl"))
     out = tmp_path / "never.json"

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+# Ctrl-C: the shell's code for SIGINT, with which a training worker, an eval rank and the commands that wait on them
+# leave when interrupted
+INTERRUPTED_EXIT_CODE = 130
+
+
 class ConfigError(Exception):
     """A config problem (or any bad input the user can fix), already phrased as one line for the user."""
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from ..evaluate.worker import INTERRUPTED
+from ..errors import INTERRUPTED_EXIT_CODE
 from ._common import fail
 
 
@@ -25,7 +25,7 @@ def said_when_interrupted(command):
         except KeyboardInterrupt:
             # a new line first, as click's Abort writes one: lm-eval's bar may be on screen, unfinished
             typer.echo("\npraisonai-accel: eval interrupted (its results file is written when it ends)", err=True)
-            raise typer.Exit(INTERRUPTED) from None
+            raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
 
     return run
 
@@ -193,7 +193,7 @@ def _score(request, ranks, gpu_ids, cpu: bool, manager) -> dict:
         return score(request, manager=manager, device=device)
     typer.echo(f"launching {ranks.plan.num_processes} process(es)", err=True)
     code, result, said = ranks.run(request.to_json())
-    if code == INTERRUPTED:
+    if code == INTERRUPTED_EXIT_CODE:
         raise KeyboardInterrupt  # Ctrl-C, forwarded to the ranks, which left quietly: said once, as for one rank
     if code != 0 or result is None:
         if said:  # a rank's own "error:" line is the one line

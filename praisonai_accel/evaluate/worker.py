@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import INTERRUPTED_EXIT_CODE
+
 
 def wait_for(path: Path, launcher: int, poll: float = 0.02) -> Path:
     """Until `path` appears; a rank whose launcher is gone (reparented: the kernel's death signal was set too late,
@@ -23,16 +25,11 @@ def wait_for(path: Path, launcher: int, poll: float = 0.02) -> Path:
     return path
 
 
-# Ctrl-C: the command forwards it to every rank; each leaves quietly with the shell's code for it, and the command
-# (commands/eval.py) says it once
-INTERRUPTED = 130
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:
-        return INTERRUPTED
+    except KeyboardInterrupt:  # the command forwards Ctrl-C to every rank: each leaves quietly, the command says it
+        return INTERRUPTED_EXIT_CODE
 
 
 def _main(argv: list[str] | None) -> int:

@@ -23,7 +23,7 @@ from ..run_dir.checkpoints import latest_complete
 from ..run_dir.lock import RunLocked, lock_for_worker, release_worker_lock
 from ..runtime.distributed import DistEnv
 from ..runtime.exit import die_with_parent
-from ..errors import first_line
+from ..errors import INTERRUPTED_EXIT_CODE, first_line
 from ..runtime.handoff import VERBOSE_ENV, HandoffFailed
 from ..logs import FILE_ONLY, console_logging, log_to_file
 from .failures import PEER_GONE, DiskFull, Interrupted, Preempted, explain, first_to_report
@@ -35,7 +35,6 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as if the signal had ended us, but w
 PUBLISH_FAILED_EXIT_CODE = 4  # trained and saved, but a push or an Ollama create failed
 FAILED_EXIT_CODE = 1
 BAD_INPUT_EXIT_CODE = 2
-INTERRUPTED_EXIT_CODE = 130
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

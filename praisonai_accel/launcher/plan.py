@@ -62,11 +62,10 @@ def parse_gpus(spec: str | None, available: int) -> tuple[int, list[int] | None]
     if not spec.isdigit() or int(spec) < 1:
         raise LaunchError(f"--gpus {spec}: expected a count, 'all' or a list of GPU ids such as 0,1")
     count = int(spec)
-    if count > available and available == 0:
-        raise LaunchError(f"--gpus {count}: no CUDA GPU is visible on this machine; --cpu --num-processes {count} runs "
-                          f"{count} CPU processes (gloo)")
     if count > available:
-        raise LaunchError(f"--gpus {count}: only {available} CUDA GPU(s) visible on this machine")
+        raise LaunchError(f"--gpus {count}: no CUDA GPU is visible on this machine; --cpu --num-processes {count} runs "
+                          f"{count} CPU processes (gloo)" if available == 0 else
+                          f"--gpus {count}: only {available} CUDA GPU(s) visible on this machine")
     return count, None
 
 

@@ -59,7 +59,7 @@ def check_folder(key: str, value: str | None) -> None:
     """A folder the run creates and writes in: neither it nor the nearest part of its path that exists is a file."""
     if not value:
         return
-    path = Path(value).expanduser()
+    path = Path(value)  # `~` is expanded when the config is read
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing == path and not path.is_dir():
         raise ConfigError(f"{key}: '{value}' is a file; name a folder (created if missing)")
